@@ -1,0 +1,97 @@
+"""The ``overnight`` command line.
+
+A user's mistake (bad config, unreadable input, an output in the way) prints one line and exits
+with status 2; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pipelines.errors import JobError
+
+EXIT_JOB_ERROR = 2
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the job's YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set sampling.max_tokens=32 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="overnight", description="Batch LLM inference over tables, on your own GPUs.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a job (or resume an interrupted one)")
+    _config_args(run)
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace an existing output, and discard an unfinished run's parts")
+    run.add_argument("--verbose", action="store_true", help="show Ray's own logs and bars")
+    run.add_argument("--quiet", action="store_true", help="no progress line")
+
+    validate = sub.add_parser("validate", help="check a job without starting an engine")
+    _config_args(validate)
+
+    tiny = sub.add_parser("tiny-model", help="build the tiny offline demo model")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--size", choices=["tiny", "bench"], default="tiny")
+    return parser
+
+
+def cmd_run(args) -> int:
+    from pipelines.config import load_config
+    from pipelines.pipeline import run_job
+    from pipelines.progress import Progress
+
+    config = load_config(args.config, args.overrides)
+    print(f"overnight: running {args.config} -> {config.output.path}", file=sys.stderr)
+    progress = Progress(total=0, enabled=not args.quiet)
+    summary = run_job(config, overwrite=args.overwrite, progress=progress, verbose=args.verbose)
+    for line in summary.lines():
+        print(line)
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from pipelines.config import load_config
+    from pipelines.validate import validate_job
+
+    report = validate_job(load_config(args.config, args.overrides))
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+def cmd_tiny_model(args) -> int:
+    from pipelines.tiny_model import build_tiny_model
+
+    print(build_tiny_model(args.out_dir, size=args.size))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "tiny-model": cmd_tiny_model}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        return COMMANDS[args.command](args)
+    except JobError as exc:
+        if args.debug:
+            raise
+        print(f"overnight: error: {exc}", file=sys.stderr)
+        return EXIT_JOB_ERROR
+    except KeyboardInterrupt:
+        print("overnight: interrupted; written parts are kept, run again to resume",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

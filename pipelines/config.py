@@ -1,0 +1,198 @@
+"""The job config: one validated pydantic model, loaded from YAML in one place.
+
+Unknown keys are errors that name the key; every error is reported as one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipelines.errors import ConfigError
+from udfs import columns
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputConfig(_Strict):
+    path: str = Field(description="A Parquet or JSONL file, a directory of them, or a glob.")
+    format: Literal["auto", "parquet", "jsonl"] = Field(
+        "auto", description="File format; 'auto' goes by the file extension."
+    )
+    id_column: str | None = Field(
+        None, description="A unique column that identifies a row; without it a row_id is added."
+    )
+
+
+class ModelConfig(_Strict):
+    name: str = Field(description="A Hugging Face model name or a local model directory.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length (prompt + output); default: the model's own."
+    )
+    dtype: str = Field("auto", description="Weights dtype: auto, float32, bfloat16, float16.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each engine spreads over.")
+    trust_remote_code: bool = Field(False, description="Allow the model's own Python code.")
+
+
+class VLLMEngineConfig(_Strict):
+    kind: Literal["vllm"] = "vllm"
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0,
+        description="KV-cache size in bytes; required on CPU (default there: 1 GiB), "
+        "on a GPU vLLM sizes it from gpu_memory_utilization.",
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool | None = Field(
+        None, description="Skip graph capture / torch.compile; default: true on CPU."
+    )
+    multiprocessing: bool | None = Field(
+        None,
+        description="Run the engine core in its own process (vLLM's default); "
+        "default: true on a GPU, false on CPU where the two processes fight for cores.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Further keyword arguments passed verbatim to vllm.LLM."
+    )
+
+
+class PromptConfig(_Strict):
+    template: str = Field(
+        description="Jinja template over the row's columns, e.g. 'Title: {{ title }}'."
+    )
+    system: str | None = Field(None, description="System message (chat models).")
+    chat: bool = Field(True, description="Apply the model's chat template when it has one.")
+    on_too_long: Literal["error", "skip", "truncate"] = Field(
+        "error",
+        description="A prompt that cannot fit max_model_len with max_tokens: mark the row "
+        "with an error, skip it (no generation, no error), or cut tokens from its middle.",
+    )
+    on_null: Literal["error", "empty"] = Field(
+        "error", description="A null in a template column: a row error, or an empty string."
+    )
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    max_tokens: int = Field(256, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    seed: int = Field(0, description="Job seed; each row's seed derives from it and the row id.")
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = Field(False, description="Generate exactly max_tokens (benchmarks).")
+
+
+class OutputConfig(_Strict):
+    path: str = Field(description="Output directory of Parquet parts (created by the job).")
+    column: str = Field("generated", description="Name of the generated-text column.")
+
+
+class ResourcesConfig(_Strict):
+    replicas: int | Literal["auto"] = Field(
+        "auto", description="Engines to run; auto = GPUs / tensor_parallel_size (1 on CPU)."
+    )
+    batch_size: int = Field(256, gt=0, description="Rows per block, engine call and part.")
+    address: str | None = Field(None, description="Ray cluster address; default: a local Ray.")
+
+
+class JobConfig(_Strict):
+    input: InputConfig
+    model: ModelConfig
+    prompt: PromptConfig
+    sampling: SamplingConfig = SamplingConfig()
+    output: OutputConfig
+    engine: VLLMEngineConfig = VLLMEngineConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+
+    @model_validator(mode="after")
+    def _output_column_free(self) -> JobConfig:
+        if self.output.column in columns.GENERATED:
+            raise ValueError(
+                f"output.column {self.output.column!r} is reserved; choose another name"
+            )
+        return self
+
+    def generated_columns(self) -> list[str]:
+        """The columns the job adds to every source row, in output order."""
+        added = [self.output.column, *columns.GENERATED]
+        if self.input.id_column is None:
+            added.insert(0, columns.ROW_ID)
+        return added
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    if first["type"] == "extra_forbidden":
+        what = "unknown key"
+    elif first["type"] == "missing":
+        what = "required key is missing"
+    else:
+        what = first["msg"]
+        if "input" in first and not isinstance(first["input"], dict):
+            what += f" (got {first['input']!r})"
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: {key}: {what}{more}"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'sampling.max_tokens=32' -> (['sampling', 'max_tokens'], 32); the value is YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. sampling.max_tokens=32")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value is not valid YAML: {exc.problem}") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {'.'.join(path)}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def load_config(
+    source: str | Path | dict, overrides: list[str] | tuple[str, ...] = ()
+) -> JobConfig:
+    """Load a job config from a YAML path or a dict, apply ``--set`` overrides, validate."""
+    if isinstance(source, dict):
+        raw, name = dict(source), "config"
+    else:
+        name = str(source)
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{name}: no such config file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{name}: cannot read: {exc}") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{name}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{name}: expected a mapping of sections (input, model, ...)")
+    raw = apply_overrides(_deep_copy(raw), list(overrides))
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, name)) from None
+
+
+def _deep_copy(raw: dict) -> dict:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in raw.items()}

@@ -1,0 +1,136 @@
+"""The job, assembled: read -> render prompts -> generate -> write parts -> commit.
+
+``run_job`` is the whole data path on one screen; each step lives in the module named for it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from pipelines.config import JobConfig
+from pipelines.preflight import JobPlan, plan_job
+from pipelines.progress import Progress
+from pipelines.read import read_dataset
+from pipelines.resources import LIGHT_STAGE_CPUS, plan_replicas, ray_session
+from pipelines.write import OutputStore, PartLayout, PartWriter
+from udfs.predictor import Predictor
+from udfs.prompts import PromptRenderer
+
+
+@dataclass
+class RunSummary:
+    rows: int = 0
+    rows_total: int = 0
+    rows_resumed: int = 0  # written by an earlier, interrupted run of the same job
+    skipped: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    parts: int = 0
+    seconds: float = 0.0
+    output: str = ""
+
+    @property
+    def rows_ok(self) -> int:
+        return self.rows - self.skipped - sum(self.errors.values())
+
+    def add_part(self, record: dict) -> None:
+        self.parts += 1
+        self.rows += record["rows"]
+        self.skipped += record["skipped"]
+        self.prompt_tokens += record["prompt_tokens"]
+        self.completion_tokens += record["completion_tokens"]
+        for kind, n in json.loads(record["errors"]).items():
+            self.errors[kind] = self.errors.get(kind, 0) + n
+
+    def lines(self) -> list[str]:
+        errs = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
+        out = [f"rows: {self.rows} written ({self.rows_ok} ok, {self.skipped} skipped, "
+               f"{sum(self.errors.values())} with errors: {errs})",
+               f"tokens: {self.prompt_tokens} in, {self.completion_tokens} out",
+               f"time: {self.seconds:.1f} s; output: {self.output}"]
+        if self.rows_resumed:
+            out.insert(0, f"resumed: {self.rows_resumed} rows were already written")
+        return out
+
+
+def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]):
+    """The Ray Data chain; each stage is one ``map_batches`` over whole blocks."""
+    replicas = plan_replicas(plan.config)
+    ds = read_dataset(plan.input, skip_blocks)
+    if ds is None:
+        return None
+    ds = ds.map_batches(PromptRenderer, fn_constructor_kwargs={"spec": plan.render},
+                        batch_format="pyarrow", batch_size=None, num_cpus=LIGHT_STAGE_CPUS,
+                        compute=_pool(1))
+    ds = ds.map_batches(Predictor,
+                        fn_constructor_kwargs={"engine": plan.engine, "sampling": plan.sampling,
+                                               "output_column": plan.config.output.column},
+                        batch_format="pyarrow", batch_size=None,
+                        num_cpus=replicas.num_cpus, num_gpus=replicas.num_gpus or None,
+                        compute=_pool(replicas.replicas))
+    return ds.map_batches(PartWriter, fn_constructor_kwargs={"layout": layout},
+                          batch_format="pyarrow", batch_size=None,
+                          num_cpus=LIGHT_STAGE_CPUS, compute=_pool(1))
+
+
+def _pool(size: int):
+    import ray.data
+
+    return ray.data.ActorPoolStrategy(size=size)
+
+
+def run_job(config: JobConfig, *, overwrite: bool = False, progress: Progress | None = None,
+            verbose: bool = False) -> RunSummary:
+    """Run a job to completion (or resume it) and commit its output. Raises JobError."""
+    started = time.time()
+    plan = plan_job(config)
+    store = OutputStore(config.output.path)
+    done = store.open(plan.fingerprint, overwrite=overwrite)
+    summary = RunSummary(rows_total=plan.input.num_rows, output=str(store.path))
+    summary.rows_resumed = sum(b.num_rows for b in plan.input.blocks if b.ordinal in done)
+    layout = PartLayout(
+        staging=str(store.staging),
+        source_columns=tuple(plan.input.schema.names),
+        added_columns=tuple(config.generated_columns()),
+        block_starts=tuple(b.ordinal for b in plan.input.blocks),
+    )
+    progress = progress or Progress(total=0, enabled=False)
+    progress.total = plan.input.num_rows
+    progress.start(already=summary.rows_resumed)
+    with ray_session(config.resources.address, verbose=verbose):
+        _quiet_ray_data(verbose)
+        ds = build_dataset(plan, layout, frozenset(done))
+        if ds is not None:
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                for record in batch.to_pylist():
+                    summary.add_part(record)
+                    progress.update(record["rows"], record["completion_tokens"],
+                                    sum(json.loads(record["errors"]).values()))
+    progress.finish()
+    _add_resumed_parts(summary, store, done)
+    summary.seconds = time.time() - started
+    store.commit({"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
+                  "config": config.model_dump(mode="json"), "summary": summary.__dict__})
+    return summary
+
+
+def _add_resumed_parts(summary: RunSummary, store: OutputStore, done: set[int]) -> None:
+    """Count the parts an earlier run wrote, from their own columns (not kept in memory)."""
+    import pyarrow.parquet as pq
+
+    from pipelines.write import part_name, summarize_part
+
+    for ordinal in sorted(done):
+        part = pq.read_table(store.staging / part_name(ordinal))
+        summary.add_part(summarize_part(part_name(ordinal), part))
+
+
+def _quiet_ray_data(verbose: bool) -> None:
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = verbose
+    ctx.print_on_execution_start = verbose

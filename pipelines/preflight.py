@@ -1,0 +1,147 @@
+"""Pre-flight: everything that can be checked before an engine starts, checked.
+
+``plan_job`` turns a validated config into a ``JobPlan``: the input scanned, the template
+compiled against the input's columns, the model's tokenizer and context length resolved, and
+the picklable specs each stage needs. Any problem is a JobError whose one line names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+from pipelines.config import JobConfig
+from pipelines.errors import ConfigError, InputError, JobError
+from pipelines.read import InputPlan, scan_input
+from udfs import columns
+from udfs.engine import EngineSpec
+from udfs.predictor import SamplingSpec
+from udfs.prompts import RenderSpec, TemplateError, compile_template, load_tokenizer
+
+
+@dataclass
+class JobPlan:
+    config: JobConfig
+    input: InputPlan
+    render: RenderSpec
+    engine: EngineSpec
+    sampling: SamplingSpec
+    fingerprint: dict
+
+    @property
+    def fingerprint_hash(self) -> str:
+        blob = json.dumps(self.fingerprint, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def plan_job(config: JobConfig) -> JobPlan:
+    """Check the config against the input and the model; raise JobError on the first problem."""
+    _, variables = _compile(config.prompt.template)
+    plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
+                      config.input.id_column)
+    _check_columns(config, plan, variables)
+    max_model_len = _resolve_model(config)
+    if config.sampling.max_tokens >= max_model_len:
+        raise ConfigError(f"sampling.max_tokens {config.sampling.max_tokens} leaves no room "
+                          f"for a prompt in max_model_len {max_model_len}")
+    render = RenderSpec(
+        template=config.prompt.template, tokenizer=config.model.name,
+        max_model_len=max_model_len, max_tokens=config.sampling.max_tokens,
+        system=config.prompt.system, chat=config.prompt.chat,
+        on_too_long=config.prompt.on_too_long, on_null=config.prompt.on_null,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+    engine_options = {
+        "max_model_len": max_model_len,
+        "dtype": config.model.dtype,
+        "tensor_parallel_size": config.model.tensor_parallel_size,
+        "trust_remote_code": config.model.trust_remote_code,
+        **config.engine.model_dump(exclude={"kind"}),
+    }
+    s = config.sampling
+    sampling = SamplingSpec(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
+        key_column=config.input.id_column or columns.ORDINAL,
+    )
+    return JobPlan(config=config, input=plan, render=render,
+                   engine=EngineSpec(config.engine.kind, config.model.name, engine_options),
+                   sampling=sampling, fingerprint=_fingerprint(config, plan, max_model_len))
+
+
+def _compile(template: str):
+    try:
+        return compile_template(template)
+    except TemplateError as exc:
+        line = f" (template line {exc.lineno})" if exc.lineno else ""
+        raise ConfigError(f"prompt.template does not parse{line}: {exc}") from None
+
+
+def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> None:
+    names = plan.schema.names
+    missing = [v for v in variables if v not in names]
+    if missing:
+        raise InputError(f"prompt.template uses column {missing[0]!r}, which the input does "
+                         f"not have; its columns are: {', '.join(names)}")
+    id_column = config.input.id_column
+    if id_column is not None:
+        if id_column not in names:
+            raise InputError(f"input.id_column {id_column!r} is not a column of the input; "
+                             f"its columns are: {', '.join(names)}")
+        nulls = sum(1 for v in plan.ids if v is None)
+        if nulls:
+            raise InputError(f"input.id_column {id_column!r} is null in {nulls} row(s)")
+        dupes = [v for v, n in Counter(map(_hashable, plan.ids)).items() if n > 1]
+        if dupes:
+            shown = ", ".join(repr(d) for d in dupes[:5])
+            raise InputError(f"input.id_column {id_column!r} is not unique: {len(dupes)} "
+                             f"value(s) repeat, e.g. {shown}")
+    clashes = [c for c in config.generated_columns() if c in names]
+    if clashes:
+        hint = (" (name your id column in input.id_column)" if clashes[0] == columns.ROW_ID
+                else " (rename output.column)" if clashes[0] == config.output.column else "")
+        raise InputError(f"the input already has a column {clashes[0]!r}, which the job "
+                         f"would add{hint}")
+
+
+def _hashable(value):
+    return json.dumps(value, sort_keys=True, default=str) if isinstance(value, (list, dict)) \
+        else value
+
+
+def _resolve_model(config: JobConfig) -> int:
+    """Load the tokenizer once (it must exist) and settle max_model_len."""
+    name = config.model.name
+    try:
+        tokenizer = load_tokenizer(name, config.model.trust_remote_code)
+    except Exception as exc:  # transformers raises OSError, ValueError, HF errors...
+        raise JobError(f"model.name {name!r}: cannot load its tokenizer: "
+                       f"{' '.join(str(exc).split())[:300]}") from None
+    if config.model.max_model_len is not None:
+        return config.model.max_model_len
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(name, trust_remote_code=config.model.trust_remote_code)
+        length = getattr(hf, "max_position_embeddings", None)
+    except Exception:
+        length = None
+    length = length or getattr(tokenizer, "model_max_length", None)
+    if not length or length > 10_000_000:
+        raise ConfigError(f"model.max_model_len: cannot tell {name!r}'s context length; set it")
+    return int(length)
+
+
+def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int) -> dict:
+    """What determines the job's results; a resumed run must match it exactly."""
+    return {
+        "input files": plan.fingerprint_parts(),
+        "input": config.input.model_dump(exclude={"path"}),
+        "prompt": config.prompt.model_dump(),
+        "model": {**config.model.model_dump(), "max_model_len": max_model_len},
+        "sampling": config.sampling.model_dump(),
+        "output": config.output.model_dump(exclude={"path"}),
+        "resources.batch_size": config.resources.batch_size,
+    }

@@ -1,0 +1,271 @@
+"""Reading the input table: find the files, check them, cut them into ordered blocks.
+
+The scan reads every file once, cheaply (Parquet footers; JSONL line by line), before any engine
+starts: it reports the first unreadable file or malformed line with its location, settles one
+schema for the whole input, and records where each block of ``block_rows`` rows starts. Blocks
+are numbered by the ordinal of their first row, so the same input always cuts the same way and
+a resumed job can skip the blocks already written.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.data
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+from pipelines.errors import InputError
+from udfs import columns
+
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
+           ".json": "jsonl"}
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rows [ordinal, ordinal + num_rows) of the input; in ``path`` they start at ``offset``
+    (a row index for Parquet, a byte offset for JSONL)."""
+
+    path: str
+    format: str
+    ordinal: int
+    num_rows: int
+    offset: int
+
+
+@dataclass
+class InputPlan:
+    files: list[str]
+    format: str
+    schema: pa.Schema
+    blocks: list[Block]
+    num_rows: int
+    ids: list | None = field(default=None, repr=False)  # the id column, when one is named
+
+    def fingerprint_parts(self) -> list[dict]:
+        """What identifies the input for resume: each file's path, size and mtime."""
+        out = []
+        for path in self.files:
+            stat = os.stat(path)
+            out.append({"path": os.path.abspath(path), "size": stat.st_size,
+                        "mtime_ns": stat.st_mtime_ns})
+        return out
+
+
+def resolve_files(path: str, fmt: str = "auto") -> tuple[list[str], str]:
+    """The input files a path names (a file, a directory or a glob), sorted, and their format."""
+    if any(ch in path for ch in "*?["):
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise InputError(f"input.path {path!r}: the glob matches no file")
+    elif os.path.isdir(path):
+        files = sorted(
+            str(p) for p in Path(path).rglob("*")
+            if p.is_file() and p.suffix.lower() in FORMATS and not p.name.startswith((".", "_"))
+        )
+        if not files:
+            raise InputError(f"input.path {path!r}: the directory holds no .parquet or .jsonl file")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise InputError(f"input.path {path!r}: no such file or directory")
+
+    if fmt == "auto":
+        kinds = {FORMATS.get(Path(f).suffix.lower()) for f in files}
+        if None in kinds:
+            odd = next(f for f in files if Path(f).suffix.lower() not in FORMATS)
+            raise InputError(f"{odd}: unknown format; name it .parquet or .jsonl, "
+                             "or set input.format")
+        if len(kinds) > 1:
+            raise InputError(f"input.path {path!r}: mixes Parquet and JSONL files")
+        fmt = kinds.pop()
+    return files, fmt
+
+
+def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None) -> InputPlan:
+    """Check every file and plan the blocks. Raises InputError naming the first problem."""
+    files, fmt = resolve_files(path, fmt)
+    scan = _scan_parquet if fmt == "parquet" else _scan_jsonl
+    schemas, blocks, ids = [], [], [] if id_column else None
+    ordinal = 0
+    for file in files:
+        schema, file_blocks = scan(file, ordinal, block_rows, id_column, ids)
+        if schema is not None:
+            schemas.append((file, schema))
+        blocks.extend(file_blocks)
+        ordinal += sum(b.num_rows for b in file_blocks)
+    if ordinal == 0:
+        raise InputError(f"input.path {path!r}: the input has no rows")
+    schema = _unify(schemas)
+    for name in schema.names:
+        if name.startswith(columns.INTERNAL_PREFIX):
+            raise InputError(f"column {name!r}: names starting with "
+                             f"{columns.INTERNAL_PREFIX!r} are reserved")
+    return InputPlan(files=files, format=fmt, schema=schema, blocks=blocks, num_rows=ordinal,
+                     ids=ids)
+
+
+def _unify(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
+    unified = schemas[0][1]
+    for file, schema in schemas[1:]:
+        try:
+            unified = pa.unify_schemas([unified, schema], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise InputError(f"{file}: its columns do not match the other files: {exc}") from None
+    return unified
+
+
+def _scan_parquet(file, ordinal, block_rows, id_column, ids):
+    try:
+        meta = pq.ParquetFile(file)
+        num_rows = meta.metadata.num_rows
+        schema = meta.schema_arrow
+        if id_column is not None and id_column in schema.names:
+            ids.extend(meta.read(columns=[id_column]).column(0).to_pylist())
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{file}: not a readable Parquet file: {exc}") from None
+    blocks = [Block(file, "parquet", ordinal + start, min(block_rows, num_rows - start), start)
+              for start in range(0, num_rows, block_rows)]
+    return schema, blocks
+
+
+def _scan_jsonl(file, ordinal, block_rows, id_column, ids):
+    blocks, schema, rows = [], None, []
+    block_start_offset, offset = 0, 0
+    first = ordinal
+    try:
+        handle = open(file, "rb")
+    except OSError as exc:
+        raise InputError(f"{file}: cannot open: {exc.strerror}") from None
+    with handle:
+        for lineno, raw in enumerate(handle, start=1):
+            row = _parse_jsonl_line(raw, file, lineno)
+            offset += len(raw)
+            if row is None:
+                continue
+            if id_column is not None:
+                ids.append(row.get(id_column))
+            rows.append(row)
+            if len(rows) == block_rows:
+                schema = _merge_schema(schema, rows, file, lineno)
+                blocks.append(Block(file, "jsonl", first, len(rows), block_start_offset))
+                first += len(rows)
+                rows, block_start_offset = [], offset
+        if rows:
+            schema = _merge_schema(schema, rows, file, lineno)
+            blocks.append(Block(file, "jsonl", first, len(rows), block_start_offset))
+    return schema, blocks
+
+
+def _parse_jsonl_line(raw: bytes, file: str, lineno: int) -> dict | None:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{file}:{lineno}: not valid UTF-8 (byte {exc.start})") from None
+    if not text.strip():
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{file}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise InputError(f"{file}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _merge_schema(schema, rows, file, lineno):
+    try:
+        block_schema = pa.Table.from_pylist(rows).schema
+        if schema is None:
+            return block_schema
+        return pa.unify_schemas([schema, block_schema], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise InputError(f"{file} (lines up to {lineno}): values of mixed types: {exc}") from None
+
+
+def read_block(block: Block, schema: pa.Schema) -> pa.Table:
+    """The rows of one block, cast to the input's schema, with their ordinals."""
+    if block.format == "parquet":
+        table = _read_parquet_rows(block.path, block.offset, block.num_rows)
+    else:
+        table = _read_jsonl_rows(block.path, block.offset, block.num_rows, schema)
+    table = _conform(table, schema)
+    ordinals = pa.array(range(block.ordinal, block.ordinal + block.num_rows), pa.int64())
+    return table.append_column(columns.ORDINAL, ordinals)
+
+
+def _read_parquet_rows(path: str, start: int, count: int) -> pa.Table:
+    file = pq.ParquetFile(path)
+    groups, first_row, seen = [], None, 0
+    for i in range(file.metadata.num_row_groups):
+        n = file.metadata.row_group(i).num_rows
+        if seen + n > start and seen < start + count:
+            groups.append(i)
+            first_row = seen if first_row is None else first_row
+        seen += n
+    table = file.read_row_groups(groups)
+    return table.slice(start - first_row, count)
+
+
+def _read_jsonl_rows(path: str, offset: int, count: int, schema: pa.Schema) -> pa.Table:
+    rows = []
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        for raw in handle:
+            if raw.strip():
+                rows.append(json.loads(raw))
+                if len(rows) == count:
+                    break
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Give a block the input's full schema: missing columns as nulls, same types and order."""
+    arrays = []
+    for fld in schema:
+        if fld.name in table.column_names:
+            arrays.append(table.column(fld.name).cast(fld.type))
+        else:
+            arrays.append(pa.nulls(table.num_rows, fld.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+
+class TableDatasource(Datasource):
+    """One read task per planned block, so that every block keeps its ordinals."""
+
+    def __init__(self, blocks: list[Block], schema: pa.Schema):
+        super().__init__()
+        self.blocks, self.schema = blocks, schema
+
+    def estimate_inmemory_data_size(self):
+        return None
+
+    def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+        schema = self.schema
+        return [
+            ReadTask(
+                (lambda b=block: [read_block(b, schema)]),
+                BlockMetadata(num_rows=block.num_rows, size_bytes=None,
+                              input_files=[block.path], exec_stats=None),
+            )
+            for block in self.blocks
+        ]
+
+
+def read_dataset(plan: InputPlan, skip_blocks: frozenset[int] = frozenset()):
+    """A Ray Dataset over the plan's blocks, leaving out those whose first ordinal is in
+    ``skip_blocks`` (written by an earlier run of the same job). None if nothing is left."""
+    todo = [b for b in plan.blocks if b.ordinal not in skip_blocks]
+    if not todo:
+        return None
+    # Reading is light: a fraction of a CPU, so it never starves the engine on a small machine.
+    return ray.data.read_datasource(TableDatasource(todo, plan.schema), num_cpus=0.25,
+                                    override_num_blocks=len(todo))

@@ -1,0 +1,86 @@
+"""``overnight validate``: the pre-flight checks, plus every prompt rendered and counted.
+
+Runs the job's own renderer over the whole input on this machine, block by block (no Ray, no
+engine), and reports what the run would see: prompt lengths, the rows that will fail and why,
+and a few prompts as the model will read them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pipelines.config import JobConfig
+from pipelines.preflight import JobPlan, plan_job
+from pipelines.read import read_block
+from udfs import columns
+from udfs.prompts import PromptRenderer
+
+EXAMPLES = 3
+
+
+@dataclass
+class ValidationReport:
+    plan: JobPlan
+    rows: int = 0
+    lengths: list[int] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+    error_examples: dict[str, list[str]] = field(default_factory=dict)
+    skipped: int = 0
+    samples: list[str] = field(default_factory=list)
+
+    def percentile(self, q: float) -> int:
+        ordered = sorted(self.lengths)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0
+
+    def lines(self) -> list[str]:
+        p = self.plan
+        out = [f"input: {len(p.input.files)} {p.input.format} file(s), {self.rows} rows, "
+               f"{len(p.input.blocks)} blocks of up to {p.config.resources.batch_size}",
+               f"model: {p.config.model.name} (max_model_len {p.render.max_model_len}, "
+               f"max_tokens {p.render.max_tokens})"]
+        if self.lengths:
+            out.append("prompt tokens: " + ", ".join(
+                f"p{int(q * 100)} {self.percentile(q)}" for q in (0.5, 0.9, 0.99))
+                + f", max {max(self.lengths)}")
+        if self.skipped:
+            out.append(f"will skip: {self.skipped} rows (prompt too long, on_too_long: skip)")
+        for kind, n in self.errors.most_common():
+            out.append(f"will fail: {n} rows {kind}, e.g. "
+                       + "; ".join(self.error_examples[kind]))
+        if not self.errors:
+            out.append("will fail: no row")
+        for i, text in enumerate(self.samples):
+            out.append(f"--- prompt {i + 1} ---\n{text}")
+        return out
+
+
+def validate_job(config: JobConfig) -> ValidationReport:
+    plan = plan_job(config)
+    renderer = PromptRenderer(plan.render)
+    report = ValidationReport(plan=plan)
+    key = config.input.id_column or columns.ORDINAL
+    for block in plan.input.blocks:
+        table = renderer(read_block(block, plan.input.schema))
+        report.rows += table.num_rows
+        keys = table.column(key).to_pylist()
+        for i, (n, kind, error, reason) in enumerate(zip(
+                table.column(columns.PROMPT_TOKENS).to_pylist(),
+                table.column(columns.ERROR_KIND).to_pylist(),
+                table.column(columns.ERROR).to_pylist(),
+                table.column(columns.FINISH_REASON).to_pylist())):
+            if n is not None:
+                report.lengths.append(n)
+            if kind is not None:
+                report.errors[kind] += 1
+                examples = report.error_examples.setdefault(kind, [])
+                if len(examples) < EXAMPLES:
+                    examples.append(f"row {keys[i]!r}: {error}")
+            elif reason == columns.FinishReason.SKIPPED:
+                report.skipped += 1
+        if len(report.samples) < EXAMPLES:
+            rows = table.select(renderer.variables).to_pylist()
+            for row in rows[: EXAMPLES - len(report.samples)]:
+                if None not in row.values():
+                    report.samples.append(renderer.render_text(row))
+    return report

@@ -1,0 +1,185 @@
+"""Writing the output: Parquet parts committed one block at a time, the dataset committed once.
+
+While a job runs, its parts go to a staging directory beside the output, ``OUTPUT.partial/``,
+each written to a temporary name and renamed into place, so a part is either whole or absent.
+A part holds exactly one input block and is named by the block's first ordinal
+(``part-000000000256.parquet``): the names alone say which rows are done, and sort in input
+order. When every block is written, the staging directory is renamed to the output path. A
+crash at any moment leaves either the old state or the new one; the next run of the same job
+picks up the parts already there.
+
+The output directory holds Parquet parts and nothing else, so that ``pl.read_parquet(OUTPUT)``
+and ``pq.read_table(OUTPUT)`` both read it. The job's own record (its fingerprint, state and
+summary) is a file beside it, ``OUTPUT.overnight.json``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipelines.errors import OutputError
+from udfs import columns
+
+PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
+
+
+def part_name(ordinal: int) -> str:
+    return f"{PART_PREFIX}{ordinal:012d}{PART_SUFFIX}"
+
+
+def part_ordinal(name: str) -> int | None:
+    if name.startswith(PART_PREFIX) and name.endswith(PART_SUFFIX):
+        digits = name[len(PART_PREFIX):-len(PART_SUFFIX)]
+        if digits.isdigit():
+            return int(digits)
+    return None
+
+
+def write_atomically(path: Path, write) -> None:
+    """Call ``write(tmp_path)``, fsync, then rename onto ``path``: whole or absent."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """Which output columns go where; sent to each writer task."""
+
+    staging: str
+    source_columns: tuple[str, ...]
+    added_columns: tuple[str, ...]  # row_id (when added), the text column, GENERATED
+    block_starts: tuple[int, ...]  # first ordinal of every planned block, sorted
+
+
+class PartWriter:
+    """``map_batches`` callable: writes each complete block in the batch as one part, and
+    returns one small row per part for the driver's progress and summary."""
+
+    def __init__(self, layout: PartLayout):
+        self.layout = layout
+
+    def _arrange(self, table: pa.Table) -> pa.Table:
+        if columns.ROW_ID in self.layout.added_columns:
+            table = table.append_column(columns.ROW_ID, table.column(columns.ORDINAL))
+        return table.select([*self.layout.source_columns, *self.layout.added_columns])
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        ordinals = batch.column(columns.ORDINAL).to_pylist()
+        starts = self.layout.block_starts
+        blocks: dict[int, list[int]] = {}
+        for i, ordinal in enumerate(ordinals):
+            blocks.setdefault(starts[bisect.bisect_right(starts, ordinal) - 1], []).append(i)
+        records = []
+        for start, rows in sorted(blocks.items()):
+            part = self._arrange(batch.take(rows))
+            write_atomically(Path(self.layout.staging) / part_name(start),
+                             lambda tmp, part=part: pq.write_table(part, tmp))
+            records.append(summarize_part(part_name(start), part))
+        return pa.Table.from_pylist(records)
+
+
+def summarize_part(name: str, part: pa.Table) -> dict:
+    """Counts the driver adds up: rows, errors by kind, tokens."""
+    kinds = part.column(columns.ERROR_KIND).to_pylist()
+    errors: dict[str, int] = {}
+    for kind in kinds:
+        if kind is not None:
+            errors[kind] = errors.get(kind, 0) + 1
+    return {
+        "part": name,
+        "rows": part.num_rows,
+        "errors": json.dumps(errors),
+        "skipped": part.column(columns.FINISH_REASON).to_pylist().count(
+            columns.FinishReason.SKIPPED),
+        "prompt_tokens": pc.sum(part.column(columns.PROMPT_TOKENS)).as_py() or 0,
+        "completion_tokens": pc.sum(part.column(columns.COMPLETION_TOKENS)).as_py() or 0,
+    }
+
+
+class OutputStore:
+    """The output path, its staging directory and its job record; the rules for starting
+    over, resuming and committing."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.staging = self.path.with_name(self.path.name + ".partial")
+        self.record = self.path.with_name(self.path.name + ".overnight.json")
+
+    def read_record(self) -> dict | None:
+        try:
+            return json.loads(self.record.read_text())
+        except FileNotFoundError:
+            return None
+
+    def write_record(self, record: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.record, lambda tmp: tmp.write_text(
+            json.dumps(record, indent=2, default=str)))
+
+    def open(self, fingerprint: dict, *, overwrite: bool) -> set[int]:
+        """Prepare staging for this job; return the first ordinals of blocks already written."""
+        if self.path.exists() and not overwrite:
+            raise OutputError(f"output.path {str(self.path)!r} already exists; "
+                              "pass --overwrite to replace it, or choose another path")
+        record = self.read_record()
+        if self.staging.exists() and record and record.get("state") == "running" \
+                and not overwrite:
+            changed = diff_fingerprints(record.get("fingerprint", {}), fingerprint)
+            if changed:
+                raise OutputError(
+                    f"{self.staging} holds an unfinished run of a different job "
+                    f"({', '.join(changed)} changed); pass --overwrite to discard it, "
+                    "or choose another output.path")
+            return self.done_blocks()
+        if self.staging.exists():
+            shutil.rmtree(self.staging)
+        self.staging.mkdir(parents=True)
+        self.write_record({"state": "running", "started": time.time(),
+                           "fingerprint": fingerprint})
+        return set()
+
+    def done_blocks(self) -> set[int]:
+        if not self.staging.exists():
+            return set()
+        found = (part_ordinal(name) for name in os.listdir(self.staging))
+        return {o for o in found if o is not None}
+
+    def commit(self, record: dict) -> None:
+        """Make the staged parts the output, in one rename, then record the job as complete."""
+        for name in os.listdir(self.staging):  # temporaries left by a killed earlier run
+            if part_ordinal(name) is None:
+                (self.staging / name).unlink()
+        old = None
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.replaced-{uuid.uuid4().hex[:8]}")
+            os.rename(self.path, old)
+        os.rename(self.staging, self.path)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        self.write_record({**record, "state": "complete", "finished": time.time()})
+
+
+def diff_fingerprints(old: dict, new: dict) -> list[str]:
+    """The top-level keys whose values differ, e.g. ['sampling', 'input files']."""
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))

@@ -1,0 +1,36 @@
+"""Reserved column names: the one place they are spelled.
+
+Public columns are written to the output. Internal ones (``__overnight_*``) carry state between
+stages and are dropped before a part is written.
+"""
+
+# Added to the output when the input has no id column: the row's position in the input.
+ROW_ID = "row_id"
+
+# Added to every output row, after the generated-text column (whose name the job chooses).
+FINISH_REASON = "finish_reason"  # "stop", "length", "skipped", or null on error
+PROMPT_TOKENS = "prompt_tokens"
+COMPLETION_TOKENS = "completion_tokens"
+ERROR_KIND = "error_kind"  # a short code: see ErrorKind
+ERROR = "error"  # null when the row succeeded; else one line saying what went wrong
+GENERATED = (FINISH_REASON, PROMPT_TOKENS, COMPLETION_TOKENS, ERROR_KIND, ERROR)
+
+# Internal: the row's 0-based position in the whole input, across files. Orders the output
+# and names the parts, so a resumed job knows which rows are done without reading them.
+ORDINAL = "__overnight_ordinal"
+PROMPT_TOKEN_IDS = "__overnight_prompt_token_ids"
+SEED = "__overnight_seed"
+INTERNAL_PREFIX = "__overnight_"
+
+
+class ErrorKind:
+    """Values of the ``error_kind`` column."""
+
+    NULL_FIELD = "null_field"  # a template column is null in this row
+    RENDER = "render_error"  # the template failed on this row's values
+    PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens exceeds max_model_len
+    ENGINE = "engine_error"  # the engine rejected or failed this request
+
+
+class FinishReason:
+    SKIPPED = "skipped"  # on_too_long: skip

@@ -1,0 +1,65 @@
+"""The engine interface: the one seam between the predictor actor and whatever generates.
+
+An engine is built inside the actor from a small picklable spec, generates a list of requests
+(returning one result per request, in order, never raising for one bad request), and is closed
+explicitly. Implementations are chosen by the spec's ``kind`` through ``ENGINES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build an engine; picklable, sent to each replica."""
+
+    kind: str
+    model: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str | None
+    finish_reason: str | None
+    completion_tokens: int | None
+    error: str | None = None  # set when this request failed; the others are unaffected
+
+
+class Engine(Protocol):
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """One result per request, in order. A failing request yields a result with ``error``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# kind -> "module:Class"; imported only when an engine of that kind is built.
+ENGINES = {
+    "vllm": "udfs.vllm_engine:VLLMEngine",
+}
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    try:
+        target = ENGINES[spec.kind]
+    except KeyError:
+        raise ValueError(f"unknown engine kind {spec.kind!r}; known: {sorted(ENGINES)}") from None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(spec)

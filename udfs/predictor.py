@@ -1,0 +1,83 @@
+"""The predictor actor: one engine per replica, one ``generate`` call per block.
+
+Rows the renderer already marked (an error, or skipped) pass through untouched; the rest go to
+the engine as one batch. A request the engine rejects becomes that row's error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from udfs import columns
+from udfs.columns import ErrorKind
+from udfs.engine import EngineSpec, GenerationRequest, build_engine
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Per-job sampling settings; each row's seed derives from ``seed`` and the row's key."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_tokens: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    key_column: str = columns.ORDINAL  # the id column, when the input has one
+
+
+def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
+    """A stable 31-bit seed per row and sample, the same in every run and on every replica."""
+    digest = hashlib.blake2b(repr((job_seed, key, sample_index)).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") & 0x7FFFFFFF
+
+
+class Predictor:
+    """``map_batches`` callable class: builds the engine in ``__init__`` from a picklable spec."""
+
+    def __init__(self, engine: EngineSpec, sampling: SamplingSpec, output_column: str):
+        self.engine = build_engine(engine)
+        self.sampling = sampling
+        self.output_column = output_column
+
+    def _request(self, token_ids: list[int], key) -> GenerationRequest:
+        s = self.sampling
+        return GenerationRequest(
+            prompt_token_ids=token_ids, max_tokens=s.max_tokens, temperature=s.temperature,
+            top_p=s.top_p, top_k=s.top_k, min_tokens=s.min_tokens,
+            seed=row_seed(s.seed, key), stop=s.stop, ignore_eos=s.ignore_eos,
+        )
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        token_ids = batch.column(columns.PROMPT_TOKEN_IDS).to_pylist()
+        keys = batch.column(self.sampling.key_column).to_pylist()
+        todo = [i for i, ids in enumerate(token_ids) if ids is not None]
+        results = self.engine.generate([self._request(token_ids[i], keys[i]) for i in todo])
+
+        n = batch.num_rows
+        text, completion = [None] * n, [None] * n
+        finish = batch.column(columns.FINISH_REASON).to_pylist()
+        kinds = batch.column(columns.ERROR_KIND).to_pylist()
+        errors = batch.column(columns.ERROR).to_pylist()
+        for i, result in zip(todo, results):
+            if result.error is not None:
+                kinds[i], errors[i] = ErrorKind.ENGINE, result.error
+                continue
+            text[i], finish[i], completion[i] = (result.text, result.finish_reason,
+                                                 result.completion_tokens)
+        batch = batch.drop_columns([columns.PROMPT_TOKEN_IDS, columns.FINISH_REASON,
+                                    columns.ERROR_KIND, columns.ERROR])
+        return (batch
+                .append_column(self.output_column, pa.array(text, pa.string()))
+                .append_column(columns.FINISH_REASON, pa.array(finish, pa.string()))
+                .append_column(columns.COMPLETION_TOKENS, pa.array(completion, pa.int64()))
+                .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
+                .append_column(columns.ERROR, pa.array(errors, pa.string())))
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,128 @@
+"""Prompt rendering: one row's columns -> a Jinja template -> the chat template -> token ids.
+
+Rendering happens on the CPU before the engine sees a row, so that a row that cannot become a
+prompt (a null in a template column, a prompt that cannot fit the context) is marked with an
+error here and never costs engine time. Templates run in Jinja's sandbox, and row values are
+only ever inserted as data: a value holding ``{{ ... }}`` stays literal text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+from jinja2 import StrictUndefined, TemplateSyntaxError, meta
+from jinja2.sandbox import SandboxedEnvironment
+
+from udfs import columns
+from udfs.columns import ErrorKind, FinishReason
+
+
+class TemplateError(ValueError):
+    """The prompt template does not parse; ``lineno`` is its line."""
+
+    def __init__(self, message: str, lineno: int | None):
+        super().__init__(message)
+        self.lineno = lineno
+
+
+def compile_template(source: str):
+    """Compile a template in the sandbox; returns (template, the column names it uses)."""
+    env = SandboxedEnvironment(undefined=StrictUndefined, autoescape=False,
+                               keep_trailing_newline=True)
+    try:
+        variables = meta.find_undeclared_variables(env.parse(source))
+        return env.from_string(source), sorted(variables)
+    except TemplateSyntaxError as exc:
+        raise TemplateError(exc.message or str(exc), exc.lineno) from None
+
+
+@dataclass(frozen=True)
+class RenderSpec:
+    """What the renderer needs; small and picklable, sent to each Ray worker."""
+
+    template: str
+    tokenizer: str  # model name or path
+    max_model_len: int
+    max_tokens: int
+    system: str | None = None
+    chat: bool = True
+    on_too_long: str = "error"
+    on_null: str = "error"
+    trust_remote_code: bool = False
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+class PromptRenderer:
+    """``map_batches`` callable: adds the prompt's token ids, its length and any row error."""
+
+    def __init__(self, spec: RenderSpec):
+        self.spec = spec
+        self.template, self.variables = compile_template(spec.template)
+        self.tokenizer = load_tokenizer(spec.tokenizer, spec.trust_remote_code)
+        self.use_chat = spec.chat and bool(getattr(self.tokenizer, "chat_template", None))
+        self.budget = spec.max_model_len - spec.max_tokens
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        values = {name: batch.column(name).to_pylist() for name in self.variables}
+        token_ids, lengths, reasons, kinds, errors = [], [], [], [], []
+        for i in range(batch.num_rows):
+            row = {name: values[name][i] for name in self.variables}
+            ids, length, reason, kind, error = self.render_row(row)
+            token_ids.append(ids)
+            lengths.append(length)
+            reasons.append(reason)
+            kinds.append(kind)
+            errors.append(error)
+        return (batch
+                .append_column(columns.PROMPT_TOKEN_IDS, pa.array(token_ids, pa.list_(pa.int32())))
+                .append_column(columns.PROMPT_TOKENS, pa.array(lengths, pa.int64()))
+                .append_column(columns.FINISH_REASON, pa.array(reasons, pa.string()))
+                .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
+                .append_column(columns.ERROR, pa.array(errors, pa.string())))
+
+    def render_text(self, row: dict) -> str:
+        """The prompt as the engine will see it, before tokenization."""
+        user = self.template.render(**row)
+        if not self.use_chat:
+            return user
+        messages = [{"role": "user", "content": user}]
+        if self.spec.system:
+            messages.insert(0, {"role": "system", "content": self.spec.system})
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        # A chat template writes its own special tokens (BOS...): adding them again would
+        # change the prompt from what vLLM's chat path sends.
+        return self.tokenizer.encode(text, add_special_tokens=not self.use_chat)
+
+    def render_row(self, row: dict):
+        """-> (token ids to generate from or None, prompt length, finish_reason, error_kind,
+        error) for one row."""
+        nulls = [name for name, value in row.items() if value is None]
+        if nulls:
+            if self.spec.on_null == "error":
+                return (None, None, None, ErrorKind.NULL_FIELD,
+                        f"column {nulls[0]!r} is null in this row")
+            row = {k: ("" if v is None else v) for k, v in row.items()}
+        try:
+            ids = self.tokenize(self.render_text(row))
+        except Exception as exc:  # a template error on this row's values: the row's problem
+            return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
+        if len(ids) <= self.budget:
+            return ids, len(ids), None, None, None
+        if self.spec.on_too_long == "truncate" and self.budget > 0:
+            head = self.budget // 2
+            ids = ids[:head] + ids[len(ids) - (self.budget - head):]
+            return ids, len(ids), None, None, None
+        if self.spec.on_too_long == "skip":
+            return None, len(ids), FinishReason.SKIPPED, None, None
+        return None, len(ids), None, ErrorKind.PROMPT_TOO_LONG, (
+            f"prompt has {len(ids)} tokens; max_model_len {self.spec.max_model_len} "
+            f"- max_tokens {self.spec.max_tokens} leaves {self.budget}")
