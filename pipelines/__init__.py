@@ -1,0 +1,11 @@
+"""overnight's pipeline: config, reading and writing, the job's assembly, the CLI.
+
+    from pipelines import run_dataframe, load_config, run_job
+"""
+
+from pipelines.api import run_dataframe
+from pipelines.config import JobConfig, load_config
+from pipelines.errors import JobError
+from pipelines.pipeline import RunSummary, run_job
+
+__all__ = ["JobConfig", "JobError", "RunSummary", "load_config", "run_dataframe", "run_job"]

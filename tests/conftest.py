@@ -1,0 +1,67 @@
+"""Shared fixtures: one tiny model, one Ray, one in-process engine per test session.
+
+Jobs that several tests look at run once per session (session-scoped fixtures) and the tests
+assert on their output, so the suite pays for each engine start once.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Keep vLLM's and Ray's caches and sockets out of the home directory and the repo.
+_SCRATCH = Path(tempfile.mkdtemp(prefix="overnight-tests-"))
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm-cache"))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
+
+REPO = Path(__file__).resolve().parent.parent
+KV_CACHE = 128 << 20
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from pipelines.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(_SCRATCH / "tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(_SCRATCH / "ray"))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model):
+    """A bare vLLM engine in the test process: the reference the pipeline is compared to."""
+    from udfs.engine import EngineSpec, build_engine
+
+    eng = build_engine(EngineSpec("vllm", tiny_model, {
+        "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": KV_CACHE}))
+    yield eng
+    eng.close()
+
+
+def job_config(tiny_model: str, input_path, output_path, **sections) -> dict:
+    """A job on the tiny model, greedy, small; ``sections`` replace or extend its parts."""
+    config = {
+        "input": {"path": str(input_path)},
+        "model": {"name": tiny_model, "max_model_len": 512, "dtype": "float32"},
+        "prompt": {"system": "Be brief.", "template": "Title: {{ title }}\n{{ description }}"},
+        "sampling": {"temperature": 0.0, "max_tokens": 16},
+        "output": {"path": str(output_path), "column": "rewritten"},
+        "engine": {"kv_cache_memory_bytes": KV_CACHE},
+        "resources": {"batch_size": 8},
+    }
+    for name, value in sections.items():
+        config[name] = {**config.get(name, {}), **value}
+    return config

@@ -1,0 +1,133 @@
+"""The whole job on the real engine through real Ray Data, run once and checked many ways.
+
+The input is two JSONL files holding the rows users really have: plain ones, emoji and
+right-to-left text, template syntax inside values, an empty string, a null in a template
+column, and a description far too long for the context.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines import load_config, run_job
+from udfs.columns import ErrorKind
+from udfs.prompts import PromptRenderer
+
+from conftest import job_config
+
+ROWS = [
+    {"sku": f"S{i:03d}", "title": f"Lamp {i}", "description": f"A warm light number {i}.",
+     "price": float(i), "tags": ["a", "b"][: i % 3]}
+    for i in range(20)
+]
+ROWS[3]["description"] = "Über café naïve 🙂👍 — مرحبا بالعالم — שלום"
+ROWS[5]["description"] = "{{ 7 * 7 }} {% for x in range(3) %}loop{% endfor %} {{ title }}"
+ROWS[7]["description"] = ""
+ROWS[9]["description"] = None
+ROWS[11]["description"] = "word " * 2000
+ROWS[13]["price"] = None
+NULL_ROW, LONG_ROW, TEMPLATE_ROW = "S009", "S011", "S005"
+
+
+@pytest.fixture(scope="session")
+def job(tiny_model, ray_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("job")
+    (root / "in").mkdir()
+    for name, rows in (("a.jsonl", ROWS[:12]), ("b.jsonl", ROWS[12:])):
+        (root / "in" / name).write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    config = load_config(job_config(tiny_model, root / "in", root / "out",
+                                    input={"id_column": "sku"}))
+    summary = run_job(config)
+    return config, summary, pl.read_parquet(root / "out"), root
+
+
+def test_every_input_row_once_in_input_order(job):
+    _, _, out, _ = job
+    assert out["sku"].to_list() == [r["sku"] for r in ROWS]
+
+
+def test_source_columns_unchanged(job):
+    _, _, out, _ = job
+    source = out.select("sku", "title", "description", "price", "tags").to_dicts()
+    assert source == ROWS
+
+
+def test_generated_columns_added(job):
+    config, _, out, _ = job
+    assert out.columns[5:] == ["rewritten", "finish_reason", "prompt_tokens",
+                               "completion_tokens", "error_kind", "error"]
+    ok = out.filter(pl.col("error").is_null())
+    assert ok.height == len(ROWS) - 2
+    assert ok["rewritten"].null_count() == 0
+    assert set(ok["finish_reason"]) <= {"stop", "length"}
+    assert ok["completion_tokens"].min() > 0 and ok["prompt_tokens"].min() > 0
+    assert ok["completion_tokens"].max() <= config.sampling.max_tokens
+
+
+def test_null_template_field_is_a_row_error(job):
+    _, _, out, _ = job
+    row = out.filter(pl.col("sku") == NULL_ROW).row(0, named=True)
+    assert row["error_kind"] == ErrorKind.NULL_FIELD
+    assert row["error"] == "column 'description' is null in this row"
+    assert row["rewritten"] is None
+
+
+def test_overlong_prompt_is_a_row_error(job):
+    _, _, out, _ = job
+    row = out.filter(pl.col("sku") == LONG_ROW).row(0, named=True)
+    assert row["error_kind"] == ErrorKind.PROMPT_TOO_LONG
+    assert row["error"].startswith("prompt has ")
+    assert "max_model_len 512 - max_tokens 16 leaves 496" in row["error"]
+    assert row["rewritten"] is None and row["prompt_tokens"] > 496
+
+
+def test_summary_counts_match_the_output(job):
+    _, summary, out, _ = job
+    assert summary.rows == out.height == len(ROWS)
+    assert summary.errors == {ErrorKind.NULL_FIELD: 1, ErrorKind.PROMPT_TOO_LONG: 1}
+    assert summary.rows_ok == len(ROWS) - 2
+    assert summary.completion_tokens == out["completion_tokens"].sum()
+
+
+def test_output_is_committed_with_its_record(job):
+    _, _, _, root = job
+    assert not (root / "out.partial").exists()
+    record = json.loads((root / "out.overnight.json").read_text())
+    assert record["state"] == "complete"
+    assert record["summary"]["rows"] == len(ROWS)
+    assert all(p.suffix == ".parquet" for p in (root / "out").iterdir())
+    assert pq.read_table(root / "out").num_rows == len(ROWS)
+
+
+def test_values_are_never_evaluated_as_templates(job):
+    config, _, out, _ = job
+    from pipelines.preflight import plan_job
+
+    renderer = PromptRenderer(plan_job(config).render)
+    text = renderer.render_text(next(r for r in ROWS if r["sku"] == TEMPLATE_ROW))
+    assert "{{ 7 * 7 }} {% for x in range(3) %}loop{% endfor %} {{ title }}" in text
+    assert "49" not in text
+    assert out.filter(pl.col("sku") == TEMPLATE_ROW)["error"].item() is None
+
+
+def test_greedy_rows_equal_vllm_chat_on_the_same_messages(job, engine):
+    """The pipeline renders and tokenizes exactly as vLLM's own chat path does."""
+    import vllm
+
+    config, _, out, _ = job
+    ok = out.filter(pl.col("error").is_null())
+    conversations = [
+        [{"role": "system", "content": config.prompt.system},
+         {"role": "user", "content": f"Title: {r['title']}\n{r['description']}"}]
+        for r in ok.iter_rows(named=True)
+    ]
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=config.sampling.max_tokens)
+    reference = engine.llm.chat(conversations, params, use_tqdm=False)
+    assert [r.outputs[0].text for r in reference] == ok["rewritten"].to_list()
+    assert [len(r.prompt_token_ids) for r in reference] == ok["prompt_tokens"].to_list()

@@ -1,0 +1,98 @@
+"""Reading: files are found, checked and cut into ordered blocks before any engine starts."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.errors import InputError
+from pipelines.read import read_block, resolve_files, scan_input
+from udfs import columns
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path
+
+
+def test_blocks_cover_every_row_in_order_across_files(tmp_path: Path):
+    write_jsonl(tmp_path / "a.jsonl", [{"t": f"a{i}"} for i in range(5)])
+    write_jsonl(tmp_path / "b.jsonl", [{"t": f"b{i}", "extra": i} for i in range(4)])
+    plan = scan_input(str(tmp_path), "auto", 2, None)
+    assert plan.num_rows == 9
+    assert [b.ordinal for b in plan.blocks] == [0, 2, 4, 5, 7]
+    rows = [r for b in plan.blocks for r in read_block(b, plan.schema).to_pylist()]
+    assert [r["t"] for r in rows] == [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(4)]
+    assert [r[columns.ORDINAL] for r in rows] == list(range(9))
+    assert rows[0]["extra"] is None and rows[-1]["extra"] == 3
+
+
+def test_parquet_blocks_span_row_groups(tmp_path: Path):
+    table = pa.table({"x": list(range(25))})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=7)
+    plan = scan_input(str(tmp_path / "t.parquet"), "auto", 10, None)
+    got = [v for b in plan.blocks for v in read_block(b, plan.schema).column("x").to_pylist()]
+    assert got == list(range(25))
+
+
+def test_malformed_jsonl_line_is_named(tmp_path: Path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"t": 1}\n{"t": 2}\n{"t": \n')
+    with pytest.raises(InputError, match=rf"{path}:3: not valid JSON"):
+        scan_input(str(path), "auto", 10, None)
+
+
+def test_non_utf8_jsonl_line_is_named(tmp_path: Path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"t": "ok"}\n{"t": "caf\xe9"}\n')
+    with pytest.raises(InputError, match=rf"{path}:2: not valid UTF-8"):
+        scan_input(str(path), "auto", 10, None)
+
+
+def test_jsonl_line_that_is_not_an_object(tmp_path: Path):
+    path = tmp_path / "list.jsonl"
+    path.write_text('{"t": 1}\n[1, 2]\n')
+    with pytest.raises(InputError, match=rf"{path}:2: expected a JSON object, got list"):
+        scan_input(str(path), "auto", 10, None)
+
+
+def test_missing_path(tmp_path: Path):
+    with pytest.raises(InputError, match="no such file or directory"):
+        resolve_files(str(tmp_path / "nope.parquet"))
+
+
+def test_glob_matching_nothing(tmp_path: Path):
+    with pytest.raises(InputError, match="the glob matches no file"):
+        resolve_files(str(tmp_path / "*.parquet"))
+
+
+def test_empty_input(tmp_path: Path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(InputError, match="the input has no rows"):
+        scan_input(str(path), "auto", 10, None)
+
+
+def test_unreadable_parquet(tmp_path: Path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(InputError, match=rf"{path}: not a readable Parquet file"):
+        scan_input(str(path), "auto", 10, None)
+
+
+def test_mixed_formats_in_a_directory(tmp_path: Path):
+    write_jsonl(tmp_path / "a.jsonl", [{"t": 1}])
+    pq.write_table(pa.table({"t": [1]}), tmp_path / "b.parquet")
+    with pytest.raises(InputError, match="mixes Parquet and JSONL"):
+        resolve_files(str(tmp_path))
+
+
+def test_values_pass_through_unchanged(tmp_path: Path):
+    odd = ["", None, "🙂👍 emoji", "مرحبا بالعالم", "{{ 7 * 7 }} {% if x %}", "x" * 100_000]
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"t": v} for v in odd])
+    plan = scan_input(str(path), "auto", 4, None)
+    got = [v for b in plan.blocks for v in read_block(b, plan.schema).column("t").to_pylist()]
+    assert got == odd
