@@ -49,7 +49,6 @@ def cmd_run(args) -> int:
     from pipelines.progress import Progress
 
     config = load_config(args.config, args.overrides)
-    print(f"overnight: running {args.config} -> {config.output.path}", file=sys.stderr)
     progress = Progress(total=0, enabled=not args.quiet)
     summary = run_job(config, overwrite=args.overwrite, progress=progress, verbose=args.verbose)
     for line in summary.lines():

@@ -99,7 +99,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, progress: Progress | 
     )
     progress = progress or Progress(total=0, enabled=False)
     progress.total = plan.input.num_rows
-    progress.start(already=summary.rows_resumed)
+    progress.start(str(store.path), already=summary.rows_resumed)
     with ray_session(config.resources.address, verbose=verbose):
         _quiet_ray_data(verbose)
         ds = build_dataset(plan, layout, frozenset(done))

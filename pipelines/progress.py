@@ -20,11 +20,11 @@ class Progress:
         self.start_time = self.last_print = 0.0
         self.already = 0
 
-    def start(self, already: int = 0) -> None:
+    def start(self, output: str, already: int = 0) -> None:
         self.start_time = self.last_print = time.time()
         self.already = self.done = already
-        if already:
-            self._emit(f"resuming: {already}/{self.total} rows already written")
+        self._emit(f"overnight: {self.total} rows -> {output}"
+                   + (f" (resuming: {already} already written)" if already else ""))
 
     def update(self, rows: int, tokens: int, errors: int) -> None:
         self.done += rows

@@ -1,0 +1,67 @@
+"""The DataFrame API and the prompt policies, on the real engine."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from pipelines import load_config, run_dataframe
+from pipelines.preflight import plan_job
+from udfs import columns
+from udfs.columns import FinishReason
+from udfs.prompts import PromptRenderer
+
+from conftest import job_config
+
+PRODUCTS = pl.DataFrame({
+    "title": ["Lamp", "Chair", "Scarf", "Kettle", "Vase"],
+    "description": ["Warm light.", "Oak, sturdy.", "word " * 600, "Steel ☕.", "Glass."],
+    "price": [9.5, None, 20.0, 31.0, 12.25],
+})
+
+
+@pytest.fixture(scope="session")
+def skipped(tiny_model, ray_cluster):
+    """No chat template, no id column, over-long prompts skipped."""
+    config = job_config(tiny_model, "unused", "unused",
+                        prompt={"chat": False, "system": None, "on_too_long": "skip"})
+    return run_dataframe(PRODUCTS, config, return_summary=True)
+
+
+def test_dataframe_in_dataframe_out(skipped):
+    out, _ = skipped
+    assert isinstance(out, pl.DataFrame)
+    assert out.select(PRODUCTS.columns).equals(PRODUCTS)
+    assert out["row_id"].to_list() == list(range(PRODUCTS.height))
+
+
+def test_skip_policy_keeps_the_row_without_an_error(skipped):
+    out, summary = skipped
+    row = out.row(2, named=True)
+    assert row["finish_reason"] == FinishReason.SKIPPED
+    assert row["error"] is None and row["rewritten"] is None and row["prompt_tokens"] > 496
+    assert summary.skipped == 1 and summary.rows_ok == PRODUCTS.height - 1
+
+
+def test_plain_prompts_equal_vllm_generate(skipped, engine):
+    """Without a chat template the rendered text is the prompt, as LLM.generate takes it."""
+    import vllm
+
+    out, _ = skipped
+    ok = out.filter(pl.col("finish_reason") != FinishReason.SKIPPED)
+    prompts = [f"Title: {t}\n{d}" for t, d in zip(ok["title"], ok["description"])]
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=16)
+    reference = engine.llm.generate(prompts, params, use_tqdm=False)
+    assert [r.outputs[0].text for r in reference] == ok["rewritten"].to_list()
+
+
+def test_truncate_policy_fits_the_prompt(tiny_model, tmp_path):
+    """Truncation is decided before the engine: checked on the renderer alone."""
+    PRODUCTS.write_parquet(tmp_path / "in.parquet")
+    config = job_config(tiny_model, tmp_path / "in.parquet", tmp_path / "out",
+                        prompt={"on_too_long": "truncate"})
+    out = PromptRenderer(plan_job(load_config(config)).render)(PRODUCTS.to_arrow())
+    assert out.column("error").null_count == PRODUCTS.height
+    assert out.column("prompt_tokens").to_pylist()[2] == 512 - 16
+    ids = out.column(columns.PROMPT_TOKEN_IDS).to_pylist()[2]
+    assert ids[0] == 0  # the chat template's BOS survives: tokens are cut from the middle

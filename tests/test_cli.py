@@ -1,0 +1,105 @@
+"""The command line as a user meets it: one clear line and exit 2 for every mistake."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, job_config
+
+
+def overnight(*args, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture
+def job_file(tiny_model, tmp_path):
+    """A valid job over a small JSONL table; tests break one thing at a time."""
+    rows = [{"sku": f"S{i}", "title": f"T{i}", "description": "d" * (i * 300)} for i in range(6)]
+    rows[2]["description"] = None
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def write(**sections) -> Path:
+        config = job_config(tiny_model, tmp_path / "in.jsonl", tmp_path / "out",
+                            input={"id_column": "sku"})
+        for name, value in sections.items():
+            config[name] = {**config[name], **value}
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    return write
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("overnight: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_unknown_key(job_file):
+    path = job_file(sampling={"max_tokenz": 3})
+    assert_one_line_error(overnight("validate", path), "sampling.max_tokenz: unknown key")
+
+
+def test_missing_template_column_lists_the_columns(job_file):
+    path = job_file(prompt={"template": "{{ titel }}"})
+    assert_one_line_error(overnight("run", path), "column 'titel'",
+                          "its columns are: sku, title, description")
+
+
+def test_template_that_does_not_parse(job_file):
+    path = job_file(prompt={"template": "line one\n{{ title "})
+    assert_one_line_error(overnight("validate", path),
+                          "prompt.template does not parse (template line 2)")
+
+
+def test_duplicate_ids_are_named(job_file, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"sku": "A", "title": "x", "description": "y"}\n' * 3)
+    assert_one_line_error(overnight("validate", job_file()),
+                          "input.id_column 'sku' is not unique", "'A'")
+
+
+def test_missing_id_column(job_file):
+    path = job_file(input={"id_column": "code"})
+    assert_one_line_error(overnight("validate", path), "input.id_column 'code'")
+
+
+def test_malformed_jsonl_names_file_and_line(job_file, tmp_path):
+    with open(tmp_path / "in.jsonl", "a") as handle:
+        handle.write('{"sku": "Z", "title": \n')
+    assert_one_line_error(overnight("run", job_file()), f"{tmp_path / 'in.jsonl'}:7")
+
+
+def test_missing_model(job_file, tmp_path):
+    path = job_file(model={"name": str(tmp_path / "no-model")})
+    assert_one_line_error(overnight("validate", path), "model.name", "cannot load")
+
+
+def test_existing_output_is_not_overwritten(job_file, tmp_path):
+    (tmp_path / "out").mkdir()
+    assert_one_line_error(overnight("run", job_file()), "already exists", "--overwrite")
+
+
+def test_debug_shows_the_traceback(job_file):
+    result = overnight("--debug", "validate", job_file(sampling={"max_tokenz": 3}))
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_validate_reports_lengths_failures_and_prompts(job_file):
+    result = overnight("validate", job_file(), "--set", "sampling.max_tokens=64")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "1 jsonl file(s), 6 rows" in out
+    assert "prompt tokens: p50 " in out
+    assert "will fail: 1 rows null_field, e.g. row 'S2': column 'description' is null" in out
+    assert "will fail: 3 rows prompt_too_long, e.g. row 'S3': prompt has " in out
+    assert "--- prompt 1 ---\n<s><|system|>\nBe brief." in out
