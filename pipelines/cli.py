@@ -31,11 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(run)
     run.add_argument("--overwrite", action="store_true",
                      help="replace an existing output, and discard an unfinished run's parts")
+    run.add_argument("--retry-errors", action="store_true",
+                     help="re-run only the rows of the finished output whose error is set")
     run.add_argument("--verbose", action="store_true", help="show Ray's own logs and bars")
     run.add_argument("--quiet", action="store_true", help="no progress line")
 
     validate = sub.add_parser("validate", help="check a job without starting an engine")
     _config_args(validate)
+
+    status = sub.add_parser("status", help="how far a job got: rows done, left, errors")
+    status.add_argument("output", help="the job's output.path")
 
     tiny = sub.add_parser("tiny-model", help="build the tiny offline demo model")
     tiny.add_argument("out_dir")
@@ -50,7 +55,8 @@ def cmd_run(args) -> int:
 
     config = load_config(args.config, args.overrides)
     progress = Progress(total=0, enabled=not args.quiet)
-    summary = run_job(config, overwrite=args.overwrite, progress=progress, verbose=args.verbose)
+    summary = run_job(config, overwrite=args.overwrite, retry_errors=args.retry_errors,
+                      progress=progress, verbose=args.verbose)
     for line in summary.lines():
         print(line)
     return 0
@@ -66,6 +72,14 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from pipelines.status import output_status
+
+    for line in output_status(args.output):
+        print(line)
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from pipelines.tiny_model import build_tiny_model
 
@@ -73,7 +87,8 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "tiny-model": cmd_tiny_model}
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "status": cmd_status,
+            "tiny-model": cmd_tiny_model}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overnight: error: {exc}", file=sys.stderr)
         return EXIT_JOB_ERROR
     except KeyboardInterrupt:
-        print("overnight: interrupted; written parts are kept, run again to resume",
-              file=sys.stderr)
+        print("\novernight: interrupted; the parts written are kept: run the same command "
+              "again to resume", file=sys.stderr)
         return 130
 
 

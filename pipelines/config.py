@@ -96,7 +96,10 @@ class ResourcesConfig(_Strict):
     replicas: int | Literal["auto"] = Field(
         "auto", description="Engines to run; auto = GPUs / tensor_parallel_size (1 on CPU)."
     )
-    batch_size: int = Field(256, gt=0, description="Rows per block, engine call and part.")
+    batch_size: int = Field(256, gt=0, description="Rows per block and per output part.")
+    blocks_in_flight: int = Field(
+        4, ge=1, description="Blocks each engine holds at once, so it never drains between "
+        "blocks: a new block's requests join the running batch as soon as it arrives.")
     address: str | None = Field(None, description="Ray cluster address; default: a local Ray.")
 
 

@@ -14,7 +14,7 @@ from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
 from pipelines.read import read_dataset
 from pipelines.resources import LIGHT_STAGE_CPUS, plan_replicas, ray_session
-from pipelines.write import OutputStore, PartLayout, PartWriter
+from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
 from udfs.predictor import Predictor
 from udfs.prompts import PromptRenderer
 
@@ -52,14 +52,15 @@ class RunSummary:
                f"tokens: {self.prompt_tokens} in, {self.completion_tokens} out",
                f"time: {self.seconds:.1f} s; output: {self.output}"]
         if self.rows_resumed:
-            out.insert(0, f"resumed: {self.rows_resumed} rows were already written")
+            out.insert(0, f"resumed: {self.rows_resumed} rows were written by an earlier run")
         return out
 
 
-def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]):
+def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int],
+                  only_rows: dict[int, list[int]] | None = None):
     """The Ray Data chain; each stage is one ``map_batches`` over whole blocks."""
     replicas = plan_replicas(plan.config)
-    ds = read_dataset(plan.input, skip_blocks)
+    ds = read_dataset(plan.input, skip_blocks, only_rows)
     if ds is None:
         return None
     ds = ds.map_batches(PromptRenderer, fn_constructor_kwargs={"spec": plan.render},
@@ -70,62 +71,75 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                                                "output_column": plan.config.output.column},
                         batch_format="pyarrow", batch_size=None,
                         num_cpus=replicas.num_cpus, num_gpus=replicas.num_gpus or None,
-                        compute=_pool(replicas.replicas))
+                        compute=_pool(replicas.replicas,
+                                      concurrent_blocks=plan.config.resources.blocks_in_flight))
     return ds.map_batches(PartWriter, fn_constructor_kwargs={"layout": layout},
                           batch_format="pyarrow", batch_size=None,
                           num_cpus=LIGHT_STAGE_CPUS, compute=_pool(1))
 
 
-def _pool(size: int):
+def _pool(size: int, concurrent_blocks: int = 1):
+    """A fixed pool of actors; with ``concurrent_blocks`` > 1 each actor runs that many
+    calls at once, in threads (the predictor's engine is built for it)."""
     import ray.data
 
-    return ray.data.ActorPoolStrategy(size=size)
+    if concurrent_blocks == 1:
+        return ray.data.ActorPoolStrategy(size=size)
+    return ray.data.ActorPoolStrategy(size=size, max_concurrent_calls_per_actor=concurrent_blocks,
+                                      enable_true_multi_threading=True)
 
 
-def run_job(config: JobConfig, *, overwrite: bool = False, progress: Progress | None = None,
-            verbose: bool = False) -> RunSummary:
-    """Run a job to completion (or resume it) and commit its output. Raises JobError."""
+def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = False,
+            progress: Progress | None = None, verbose: bool = False) -> RunSummary:
+    """Run a job to completion (or resume it) and commit its output. Raises JobError.
+
+    With ``retry_errors``, only the rows of the committed output whose ``error`` is set run
+    again, and their new results replace the old ones."""
     started = time.time()
     plan = plan_job(config)
     store = OutputStore(config.output.path)
-    done = store.open(plan.fingerprint, overwrite=overwrite)
-    summary = RunSummary(rows_total=plan.input.num_rows, output=str(store.path))
-    summary.rows_resumed = sum(b.num_rows for b in plan.input.blocks if b.ordinal in done)
+    if retry_errors:
+        only_rows, done = store.open_retry(plan.fingerprint), set()
+        todo = sum(len(rows) for rows in only_rows.values())
+    else:
+        only_rows, done = None, store.open(plan.fingerprint, overwrite=overwrite,
+                                           rows_total=plan.input.num_rows)
+        todo = sum(b.num_rows for b in plan.input.blocks if b.ordinal not in done)
     layout = PartLayout(
         staging=str(store.staging),
         source_columns=tuple(plan.input.schema.names),
         added_columns=tuple(config.generated_columns()),
         block_starts=tuple(b.ordinal for b in plan.input.blocks),
+        merge_from=str(store.path) if retry_errors else None,
     )
     progress = progress or Progress(total=0, enabled=False)
-    progress.total = plan.input.num_rows
-    progress.start(str(store.path), already=summary.rows_resumed)
+    progress.total = todo
+    progress.start(str(store.path), already=0)
     with ray_session(config.resources.address, verbose=verbose):
         _quiet_ray_data(verbose)
-        ds = build_dataset(plan, layout, frozenset(done))
+        ds = build_dataset(plan, layout, frozenset(done), only_rows)
         if ds is not None:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for record in batch.to_pylist():
-                    summary.add_part(record)
                     progress.update(record["rows"], record["completion_tokens"],
                                     sum(json.loads(record["errors"]).values()))
     progress.finish()
-    _add_resumed_parts(summary, store, done)
+    summary = summarize_staged(store)
+    summary.rows_total = plan.input.num_rows
+    summary.rows_resumed = plan.input.num_rows - todo
     summary.seconds = time.time() - started
     store.commit({"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
+                  "rows_total": plan.input.num_rows,
                   "config": config.model_dump(mode="json"), "summary": summary.__dict__})
     return summary
 
 
-def _add_resumed_parts(summary: RunSummary, store: OutputStore, done: set[int]) -> None:
-    """Count the parts an earlier run wrote, from their own columns (not kept in memory)."""
-    import pyarrow.parquet as pq
-
-    from pipelines.write import part_name, summarize_part
-
-    for ordinal in sorted(done):
-        part = pq.read_table(store.staging / part_name(ordinal))
-        summary.add_part(summarize_part(part_name(ordinal), part))
+def summarize_staged(store: OutputStore) -> RunSummary:
+    """The summary, counted from the parts themselves (a few columns, one part at a time)."""
+    summary = RunSummary(output=str(store.path))
+    for ordinal in sorted(store.done_blocks()):
+        summary.add_part(summarize_part(store.staging / part_name(ordinal)))
+    return summary
 
 
 def _quiet_ray_data(verbose: bool) -> None:

@@ -241,31 +241,41 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 class TableDatasource(Datasource):
     """One read task per planned block, so that every block keeps its ordinals."""
 
-    def __init__(self, blocks: list[Block], schema: pa.Schema):
+    def __init__(self, blocks: list[Block], schema: pa.Schema,
+                 only_rows: dict[int, list[int]] | None = None):
         super().__init__()
         self.blocks, self.schema = blocks, schema
+        self.only_rows = only_rows or {}
 
     def estimate_inmemory_data_size(self):
         return None
 
     def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
-        schema = self.schema
+        schema, only = self.schema, self.only_rows
+
+        def read(block: Block) -> list[pa.Table]:
+            table = read_block(block, schema)
+            return [table.take(only[block.ordinal]) if block.ordinal in only else table]
+
         return [
             ReadTask(
-                (lambda b=block: [read_block(b, schema)]),
-                BlockMetadata(num_rows=block.num_rows, size_bytes=None,
-                              input_files=[block.path], exec_stats=None),
+                (lambda b=block: read(b)),
+                BlockMetadata(num_rows=len(only.get(block.ordinal, ())) or block.num_rows,
+                              size_bytes=None, input_files=[block.path], exec_stats=None),
             )
             for block in self.blocks
         ]
 
 
-def read_dataset(plan: InputPlan, skip_blocks: frozenset[int] = frozenset()):
+def read_dataset(plan: InputPlan, skip_blocks: frozenset[int] = frozenset(),
+                 only_rows: dict[int, list[int]] | None = None):
     """A Ray Dataset over the plan's blocks, leaving out those whose first ordinal is in
-    ``skip_blocks`` (written by an earlier run of the same job). None if nothing is left."""
-    todo = [b for b in plan.blocks if b.ordinal not in skip_blocks]
+    ``skip_blocks`` (written by an earlier run of the same job); with ``only_rows``, just
+    those blocks, and in each just the rows at the given positions. None if nothing is left."""
+    todo = [b for b in plan.blocks if b.ordinal not in skip_blocks
+            and (only_rows is None or b.ordinal in only_rows)]
     if not todo:
         return None
     # Reading is light: a fraction of a CPU, so it never starves the engine on a small machine.
-    return ray.data.read_datasource(TableDatasource(todo, plan.schema), num_cpus=0.25,
-                                    override_num_blocks=len(todo))
+    return ray.data.read_datasource(TableDatasource(todo, plan.schema, only_rows),
+                                    num_cpus=0.25, override_num_blocks=len(todo))

@@ -70,6 +70,8 @@ class PartLayout:
     source_columns: tuple[str, ...]
     added_columns: tuple[str, ...]  # row_id (when added), the text column, GENERATED
     block_starts: tuple[int, ...]  # first ordinal of every planned block, sorted
+    # --retry-errors: the committed output whose parts the re-run rows are merged into
+    merge_from: str | None = None
 
 
 class PartWriter:
@@ -93,21 +95,42 @@ class PartWriter:
         records = []
         for start, rows in sorted(blocks.items()):
             part = self._arrange(batch.take(rows))
+            if self.layout.merge_from is not None:
+                part = self._merge(start, batch.take(rows).column(columns.ORDINAL), part)
             write_atomically(Path(self.layout.staging) / part_name(start),
                              lambda tmp, part=part: pq.write_table(part, tmp))
-            records.append(summarize_part(part_name(start), part))
+            records.append({"part": part_name(start), **count_part(part)})
         return pa.Table.from_pylist(records)
 
 
-def summarize_part(name: str, part: pa.Table) -> dict:
-    """Counts the driver adds up: rows, errors by kind, tokens."""
+    def _merge(self, start: int, ordinals: pa.Array, rows: pa.Table) -> pa.Table:
+        """The committed part of this block with ``rows`` (re-run) in place of the old ones."""
+        old = pq.read_table(Path(self.layout.merge_from) / part_name(start))
+        positions = [o - start for o in ordinals.to_pylist()]
+        taken = set(positions)
+        keep = [i for i in range(old.num_rows) if i not in taken]
+        merged = pa.concat_tables([old.take(keep), rows.cast(old.schema)])
+        order = pc.sort_indices(pa.array(keep + positions))
+        return merged.take(order)
+
+
+COUNTED = [columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
+           columns.COMPLETION_TOKENS]
+
+
+def summarize_part(path: Path) -> dict:
+    """``count_part`` of a written part, reading only the columns it counts."""
+    return count_part(pq.read_table(path, columns=COUNTED))
+
+
+def count_part(part: pa.Table) -> dict:
+    """What the summary adds up: rows, errors by kind, skipped rows, tokens."""
     kinds = part.column(columns.ERROR_KIND).to_pylist()
     errors: dict[str, int] = {}
     for kind in kinds:
         if kind is not None:
             errors[kind] = errors.get(kind, 0) + 1
     return {
-        "part": name,
         "rows": part.num_rows,
         "errors": json.dumps(errors),
         "skipped": part.column(columns.FINISH_REASON).to_pylist().count(
@@ -137,7 +160,7 @@ class OutputStore:
         write_atomically(self.record, lambda tmp: tmp.write_text(
             json.dumps(record, indent=2, default=str)))
 
-    def open(self, fingerprint: dict, *, overwrite: bool) -> set[int]:
+    def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0) -> set[int]:
         """Prepare staging for this job; return the first ordinals of blocks already written."""
         if self.path.exists() and not overwrite:
             raise OutputError(f"output.path {str(self.path)!r} already exists; "
@@ -156,8 +179,36 @@ class OutputStore:
             shutil.rmtree(self.staging)
         self.staging.mkdir(parents=True)
         self.write_record({"state": "running", "started": time.time(),
-                           "fingerprint": fingerprint})
+                           "rows_total": rows_total, "fingerprint": fingerprint})
         return set()
+
+    def open_retry(self, fingerprint: dict) -> dict[int, list[int]]:
+        """Stage a re-run of the rows with errors in the committed output. Parts without
+        errors are linked into staging unchanged; returns {block start: row positions}."""
+        record = self.read_record()
+        if not self.path.exists() or not record or record.get("state") != "complete":
+            raise OutputError(f"--retry-errors: {str(self.path)!r} is not a completed output "
+                              "of this job; run it first")
+        changed = diff_fingerprints(record.get("fingerprint", {}), fingerprint)
+        if changed:
+            raise OutputError(f"--retry-errors: {self.path} was written by a different job "
+                              f"({', '.join(changed)} changed)")
+        if self.staging.exists():
+            shutil.rmtree(self.staging)
+        self.staging.mkdir(parents=True)
+        retry: dict[int, list[int]] = {}
+        for name in sorted(os.listdir(self.path)):
+            start = part_ordinal(name)
+            if start is None:
+                continue
+            errors = pq.read_table(self.path / name, columns=[columns.ERROR]).column(0)
+            failed = [i for i, e in enumerate(errors.to_pylist()) if e is not None]
+            if failed:
+                retry[start] = failed
+            else:
+                os.link(self.path / name, self.staging / name)
+        self.write_record({**record, "state": "retrying", "retry_started": time.time()})
+        return retry
 
     def done_blocks(self) -> set[int]:
         if not self.staging.exists():

@@ -41,14 +41,13 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_model):
-    """A bare vLLM engine in the test process: the reference the pipeline is compared to."""
-    from udfs.engine import EngineSpec, build_engine
+def llm(tiny_model):
+    """Bare ``vllm.LLM`` in the test process: the reference the pipeline is compared to."""
+    import vllm
 
-    eng = build_engine(EngineSpec("vllm", tiny_model, {
-        "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": KV_CACHE}))
-    yield eng
-    eng.close()
+    return vllm.LLM(model=tiny_model, dtype="float32", max_model_len=512,
+                    kv_cache_memory_bytes=KV_CACHE, enforce_eager=True,
+                    enable_chunked_prefill=False)
 
 
 def job_config(tiny_model: str, input_path, output_path, **sections) -> dict:

@@ -43,7 +43,7 @@ def test_skip_policy_keeps_the_row_without_an_error(skipped):
     assert summary.skipped == 1 and summary.rows_ok == PRODUCTS.height - 1
 
 
-def test_plain_prompts_equal_vllm_generate(skipped, engine):
+def test_plain_prompts_equal_vllm_generate(skipped, llm):
     """Without a chat template the rendered text is the prompt, as LLM.generate takes it."""
     import vllm
 
@@ -51,7 +51,7 @@ def test_plain_prompts_equal_vllm_generate(skipped, engine):
     ok = out.filter(pl.col("finish_reason") != FinishReason.SKIPPED)
     prompts = [f"Title: {t}\n{d}" for t, d in zip(ok["title"], ok["description"])]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=16)
-    reference = engine.llm.generate(prompts, params, use_tqdm=False)
+    reference = llm.generate(prompts, params, use_tqdm=False)
     assert [r.outputs[0].text for r in reference] == ok["rewritten"].to_list()
 
 

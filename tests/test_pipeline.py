@@ -116,7 +116,7 @@ def test_values_are_never_evaluated_as_templates(job):
     assert out.filter(pl.col("sku") == TEMPLATE_ROW)["error"].item() is None
 
 
-def test_greedy_rows_equal_vllm_chat_on_the_same_messages(job, engine):
+def test_greedy_rows_equal_vllm_chat_on_the_same_messages(job, llm):
     """The pipeline renders and tokenizes exactly as vLLM's own chat path does."""
     import vllm
 
@@ -128,6 +128,6 @@ def test_greedy_rows_equal_vllm_chat_on_the_same_messages(job, engine):
         for r in ok.iter_rows(named=True)
     ]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=config.sampling.max_tokens)
-    reference = engine.llm.chat(conversations, params, use_tqdm=False)
+    reference = llm.chat(conversations, params, use_tqdm=False)
     assert [r.outputs[0].text for r in reference] == ok["rewritten"].to_list()
     assert [len(r.prompt_token_ids) for r in reference] == ok["prompt_tokens"].to_list()

@@ -6,7 +6,10 @@ takes seconds).
 
 from __future__ import annotations
 
+import itertools
 import os
+import queue
+import threading
 from typing import Sequence
 
 from udfs.engine import EngineSpec, GenerationRequest, GenerationResult
@@ -70,6 +73,7 @@ class VLLMEngine:
         if opts:
             raise ValueError(f"unknown vllm engine options: {sorted(opts)}")
         self.llm = vllm.LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        self._stepper = _Stepper(self)
 
     def _sampling_params(self, req: GenerationRequest):
         return self._vllm.SamplingParams(
@@ -87,26 +91,20 @@ class VLLMEngine:
         return self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Thread-safe: several blocks may be in flight at once, all fed to one engine."""
         if not requests:
             return []
-        try:
-            outputs = self.llm.generate([self._prompt(r) for r in requests],
-                                        [self._sampling_params(r) for r in requests],
-                                        use_tqdm=False)
-        except self._request_errors:  # one bad request fails the whole call: find it
-            if len(requests) == 1:
-                raise
-            mid = len(requests) // 2
-            return self._generate_isolated(requests[:mid]) + self._generate_isolated(requests[mid:])
-        return [_result(out) for out in outputs]
-
-    def _generate_isolated(self, requests):
-        try:
-            return self.generate(requests)
-        except self._request_errors as exc:  # only a single request reaches here
-            return [GenerationResult(None, None, None, error=_one_line(exc))]
+        batch = _Batch(requests)
+        self._stepper.submit(batch)
+        batch.done.wait()
+        if batch.failure is not None:
+            raise batch.failure
+        return batch.results
 
     def close(self) -> None:
+        stepper = getattr(self, "_stepper", None)
+        if stepper is not None:
+            stepper.stop()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
@@ -114,6 +112,90 @@ class VLLMEngine:
                 getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
                 shutdown()
+
+
+class _Batch:
+    """One ``generate`` call's requests, and where their results land."""
+
+    def __init__(self, requests: Sequence[GenerationRequest]):
+        self.requests = requests
+        self.results: list[GenerationResult | None] = [None] * len(requests)
+        self.waiting = len(requests)
+        self.done = threading.Event()
+        self.failure: BaseException | None = None
+
+    def set(self, index: int, result: GenerationResult) -> None:
+        self.results[index] = result
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        self.done.set()
+
+
+class _Stepper:
+    """The one thread that touches the engine: it adds each arriving batch's requests and
+    steps the engine while any request is unfinished. New blocks join the running batch
+    at the next step, so the engine never drains at a block boundary."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
+        self.pending: dict[str, tuple[_Batch, int]] = {}
+        self.counter = itertools.count()
+        self.broken: BaseException | None = None
+        self.stopping = False
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="vllm-stepper", daemon=True)
+        self.thread.start()
+
+    def submit(self, batch: _Batch) -> None:
+        if self.broken is not None:
+            batch.fail(RuntimeError(f"the engine failed earlier: {_one_line(self.broken)}"))
+            return
+        self.inbox.put(batch)
+        self.wake.set()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        llm_engine = self.engine.llm.llm_engine
+        try:
+            while not self.stopping:
+                while not self.inbox.empty():
+                    self._add(self.inbox.get())
+                if not llm_engine.has_unfinished_requests():
+                    self.wake.wait(timeout=0.5)
+                    self.wake.clear()
+                    continue
+                for out in llm_engine.step():
+                    if out.finished and out.request_id in self.pending:
+                        batch, index = self.pending.pop(out.request_id)
+                        batch.set(index, _result(out))
+        except BaseException as exc:  # the engine is gone: fail every waiting block
+            self.broken = exc
+            for batch, _ in list(self.pending.values()):
+                batch.fail(exc)
+            while not self.inbox.empty():
+                self.inbox.get().fail(exc)
+
+    def _add(self, batch: _Batch) -> None:
+        engine = self.engine
+        for index, request in enumerate(batch.requests):
+            request_id = f"overnight-{next(self.counter)}"
+            params = engine._sampling_params(request)
+            params.output_kind = engine._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+            try:
+                engine.llm.llm_engine.add_request(request_id, engine._prompt(request), params)
+            except engine._request_errors as exc:  # this request only: a row error
+                batch.set(index, GenerationResult(None, None, None, error=_one_line(exc)))
+                continue
+            self.pending[request_id] = (batch, index)
 
 
 def _default(value, fallback):

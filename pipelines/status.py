@@ -1,0 +1,48 @@
+"""``overnight status OUTPUT``: how far a job got, read from its parts and its record."""
+
+from __future__ import annotations
+
+import time
+
+from pipelines.errors import OutputError
+from pipelines.pipeline import RunSummary
+from pipelines.write import OutputStore, summarize_part
+
+STATES = {
+    "running": "unfinished (running now, or interrupted: run the same job again to resume)",
+    "retrying": "re-running rows with errors (interrupted: run with --retry-errors again)",
+    "complete": "complete",
+}
+
+
+def output_status(path: str) -> list[str]:
+    store = OutputStore(path)
+    record = store.read_record()
+    if record is None:
+        raise OutputError(f"{path!r}: no overnight job record here "
+                          f"({store.record.name} is missing)")
+    state = record.get("state", "unknown")
+    live = state in ("running", "retrying") and store.staging.exists()
+    folder = store.staging if live else store.path
+    summary = RunSummary(output=str(store.path))
+    if folder.exists():
+        for name in sorted(p.name for p in folder.iterdir()):
+            if name.endswith(".parquet") and not name.startswith("."):
+                summary.add_part(summarize_part(folder / name))
+    total = record.get("rows_total") or summary.rows
+    errors = ", ".join(f"{k} {v}" for k, v in sorted(summary.errors.items())) or "none"
+    started = record.get("started")
+    lines = [
+        f"output: {store.path}",
+        f"state: {STATES.get(state, state)}",
+        f"rows: {summary.rows}/{total} written ({100 * summary.rows / max(total, 1):.0f}%), "
+        f"{total - summary.rows} left, in {summary.parts} parts",
+        f"errors: {sum(summary.errors.values())} ({errors}); skipped: {summary.skipped}",
+        f"tokens: {summary.prompt_tokens} in, {summary.completion_tokens} out",
+    ]
+    if started:
+        lines.append("started: " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)))
+    return lines
+
+
+

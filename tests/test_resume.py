@@ -1,0 +1,160 @@
+"""Resume after a crash: a real job killed mid-run, run again, equals an uninterrupted run.
+
+Sampling is seeded and not greedy (temperature 0.8): each row's seed derives from the job seed
+and its id, so the resumed rows must match the reference to the character.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipelines import load_config, run_job
+from pipelines.write import part_name
+
+from conftest import REPO, job_config
+
+ROWS = 240
+BLOCK = 4
+
+
+@pytest.fixture(scope="session")
+def resume_job(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    rows = [{"sku": f"R{i:04d}", "title": f"Item {i}",
+             "description": None if i % 37 == 5 else f"Thing number {i} 🙂"}
+            for i in range(ROWS)]
+    (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def config(output: Path) -> dict:
+        return job_config(tiny_model, root / "in.jsonl", output,
+                          input={"id_column": "sku"},
+                          sampling={"temperature": 0.8, "seed": 3, "max_tokens": 32},
+                          resources={"batch_size": BLOCK})
+
+    def write_config(name: str) -> Path:
+        path = root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config(root / name)))
+        return path
+
+    return root, config, write_config
+
+
+@pytest.fixture(scope="session")
+def reference(resume_job, ray_cluster):
+    root, config, _ = resume_job
+    run_job(load_config(config(root / "reference")))
+    return pl.read_parquet(root / "reference")
+
+
+def overnight(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, timeout=600, **kwargs)
+
+
+def kill_after_parts(config_path: Path, staging: Path, parts: int, sig: int):
+    """Start ``overnight run`` and send ``sig`` to its whole process group (the driver, Ray,
+    the engine) once ``parts`` parts are committed: a spot reclaim, or Ctrl-C."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(config_path),
+                             "--quiet"], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if staging.exists() and len(list(staging.glob("part-*.parquet"))) >= parts:
+            os.killpg(proc.pid, sig)
+            break
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=120)
+    if sig == signal.SIGKILL:  # nothing of the group may linger and write more parts
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, stderr
+
+
+def assert_same_output(out_dir: Path, reference: pl.DataFrame):
+    out = pl.read_parquet(out_dir)
+    assert out["sku"].to_list() == reference["sku"].to_list()
+    assert out.equals(reference)
+
+
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(resume_job, reference):
+    root, _, write_config = resume_job
+    path = write_config("killed")
+    code, _ = kill_after_parts(path, root / "killed.partial", 3, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert not (root / "killed").exists()  # nothing that looks finished
+    written = sorted(p.name for p in (root / "killed.partial").glob("part-*.parquet"))
+    assert 3 <= len(written) < ROWS // BLOCK
+    for name in written:  # every committed part is whole
+        assert pq.read_table(root / "killed.partial" / name).num_rows == BLOCK
+
+    status = overnight("status", root / "killed")
+    assert status.returncode == 0 and "state: unfinished" in status.stdout
+    assert f"/{ROWS} written" in status.stdout
+
+    changed = overnight("run", path, "--set", "sampling.max_tokens=20")
+    assert changed.returncode == 2
+    assert "holds an unfinished run of a different job (sampling changed)" in changed.stderr
+
+    resumed = overnight("run", path, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed: {len(written) * BLOCK} rows were written by an earlier run" \
+        in resumed.stdout
+    assert_same_output(root / "killed", reference)
+    assert not (root / "killed.partial").exists()
+
+
+def test_ctrl_c_then_rerun_equals_an_uninterrupted_run(resume_job, reference):
+    root, _, write_config = resume_job
+    path = write_config("interrupted")
+    code, stderr = kill_after_parts(path, root / "interrupted.partial", 2, signal.SIGINT)
+    assert code == 130, stderr
+    assert "interrupted; the parts written are kept" in stderr
+    assert not (root / "interrupted").exists()
+    assert len(list((root / "interrupted.partial").glob("part-*.parquet"))) >= 2
+
+    resumed = overnight("run", path, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_output(root / "interrupted", reference)
+
+
+def test_retry_errors_reruns_only_the_failed_rows(resume_job, reference, ray_cluster):
+    root, config, _ = resume_job
+    out = root / "retry"
+    run_job(load_config(config(out)))
+    # A transient engine failure, as the job records one: the row keeps no text.
+    victim = part_name(8)
+    part = pl.read_parquet(out / victim)
+    part = part.with_columns(
+        pl.when(pl.col("sku") == "R0009").then(None).otherwise(pl.col("rewritten"))
+        .alias("rewritten"),
+        pl.when(pl.col("sku") == "R0009").then(pl.lit("engine_error"))
+        .otherwise(pl.col("error_kind")).alias("error_kind"),
+        pl.when(pl.col("sku") == "R0009").then(pl.lit("simulated: engine restarted"))
+        .otherwise(pl.col("error")).alias("error"),
+        pl.when(pl.col("sku") == "R0009").then(None).otherwise(pl.col("completion_tokens"))
+        .alias("completion_tokens"),
+        pl.when(pl.col("sku") == "R0009").then(None).otherwise(pl.col("finish_reason"))
+        .alias("finish_reason"),
+    )
+    part.write_parquet(out / victim)
+    untouched = os.stat(out / part_name(0)).st_ino  # a part with no error
+
+    failed_before = pl.read_parquet(out).filter(pl.col("error").is_not_null()).height
+    summary = run_job(load_config(config(out)), retry_errors=True)
+
+    assert summary.rows_resumed == ROWS - failed_before  # only the failed rows ran
+    assert_same_output(out, reference)  # R0009 regenerated; null rows fail as before
+    assert os.stat(out / part_name(0)).st_ino == untouched  # linked, not rewritten
