@@ -55,6 +55,12 @@ class VLLMEngineConfig(_Strict):
         description="Run the engine core in its own process (vLLM's default); "
         "default: true on a GPU, false on CPU where the two processes fight for cores.",
     )
+    structured_outputs: dict[str, Any] = Field(
+        default_factory=lambda: {"backend": "guidance", "disable_any_whitespace": True},
+        description="vLLM's structured_outputs_config. The default, guidance without "
+        "whitespace, keeps JSON compact and valid where vLLM's default lets a weak model pad "
+        "it with whitespace until max_tokens.",
+    )
     args: dict[str, Any] = Field(
         default_factory=dict, description="Further keyword arguments passed verbatim to vllm.LLM."
     )
@@ -81,15 +87,35 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     max_tokens: int = Field(256, gt=0)
+    n: int = Field(1, ge=1, description="Samples per input row: one output row each, with a "
+                   "sample_index; each sample's seed derives from the job seed and the row id.")
     min_tokens: int = Field(0, ge=0)
     seed: int = Field(0, description="Job seed; each row's seed derives from it and the row id.")
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = Field(False, description="Generate exactly max_tokens (benchmarks).")
 
 
+class StructuredConfig(_Strict):
+    json_schema: dict[str, Any] | str | None = Field(
+        None, description="A JSON Schema (inline, or the path of a .json file); the output "
+        "is parsed into a struct column typed by it.")
+    choice: list[str] | None = Field(None, description="The allowed outputs, e.g. labels.")
+    regex: str | None = Field(None, description="A regex the whole output must match.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredConfig:
+        given = [k for k in ("json_schema", "choice", "regex") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json_schema, choice, regex"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+
 class OutputConfig(_Strict):
     path: str = Field(description="Output directory of Parquet parts (created by the job).")
     column: str = Field("generated", description="Name of the generated-text column.")
+    parsed_column: str = Field(
+        "parsed", description="With structured.json_schema: the struct column of parsed values.")
 
 
 class ResourcesConfig(_Strict):
@@ -109,6 +135,7 @@ class JobConfig(_Strict):
     prompt: PromptConfig
     sampling: SamplingConfig = SamplingConfig()
     output: OutputConfig
+    structured: StructuredConfig | None = None
     engine: VLLMEngineConfig = VLLMEngineConfig()
     resources: ResourcesConfig = ResourcesConfig()
 
@@ -118,11 +145,18 @@ class JobConfig(_Strict):
             raise ValueError(
                 f"output.column {self.output.column!r} is reserved; choose another name"
             )
+        if self.output.parsed_column in (*columns.GENERATED, self.output.column):
+            raise ValueError(f"output.parsed_column {self.output.parsed_column!r} is taken; "
+                             "choose another name")
         return self
 
     def generated_columns(self) -> list[str]:
         """The columns the job adds to every source row, in output order."""
         added = [self.output.column, *columns.GENERATED]
+        if self.structured is not None and self.structured.json_schema is not None:
+            added.insert(1, self.output.parsed_column)
+        if self.sampling.n > 1:
+            added.insert(0, columns.SAMPLE_INDEX)
         if self.input.id_column is None:
             added.insert(0, columns.ROW_ID)
         return added

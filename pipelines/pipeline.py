@@ -15,6 +15,8 @@ from pipelines.progress import Progress
 from pipelines.read import read_dataset
 from pipelines.resources import LIGHT_STAGE_CPUS, plan_replicas, ray_session
 from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
+from udfs.columns import ErrorKind
+from udfs.parsers import OutputParser
 from udfs.predictor import Predictor
 from udfs.prompts import PromptRenderer
 
@@ -31,6 +33,7 @@ class RunSummary:
     parts: int = 0
     seconds: float = 0.0
     output: str = ""
+    structured: bool = False
 
     @property
     def rows_ok(self) -> int:
@@ -45,12 +48,21 @@ class RunSummary:
         for kind, n in json.loads(record["errors"]).items():
             self.errors[kind] = self.errors.get(kind, 0) + n
 
+    @property
+    def rows_generated(self) -> int:
+        """Rows the engine generated for (a parse error comes after generation)."""
+        return self.rows_ok + self.errors.get(ErrorKind.PARSE, 0)
+
     def lines(self) -> list[str]:
         errs = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
         out = [f"rows: {self.rows} written ({self.rows_ok} ok, {self.skipped} skipped, "
                f"{sum(self.errors.values())} with errors: {errs})",
                f"tokens: {self.prompt_tokens} in, {self.completion_tokens} out",
                f"time: {self.seconds:.1f} s; output: {self.output}"]
+        if self.structured:
+            valid = self.rows_generated - self.errors.get(ErrorKind.PARSE, 0)
+            out.insert(1, f"structured output: {valid}/{self.rows_generated} valid "
+                          f"({100 * valid / max(self.rows_generated, 1):.1f}%)")
         if self.rows_resumed:
             out.insert(0, f"resumed: {self.rows_resumed} rows were written by an earlier run")
         return out
@@ -73,6 +85,12 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                         num_cpus=replicas.num_cpus, num_gpus=replicas.num_gpus or None,
                         compute=_pool(replicas.replicas,
                                       concurrent_blocks=plan.config.resources.blocks_in_flight))
+    if plan.structured is not None:
+        ds = ds.map_batches(OutputParser,
+                            fn_constructor_kwargs={"spec": plan.structured,
+                                                   "output_column": plan.config.output.column},
+                            batch_format="pyarrow", batch_size=None,
+                            num_cpus=LIGHT_STAGE_CPUS, compute=_pool(1))
     return ds.map_batches(PartWriter, fn_constructor_kwargs={"layout": layout},
                           batch_format="pyarrow", batch_size=None,
                           num_cpus=LIGHT_STAGE_CPUS, compute=_pool(1))
@@ -99,11 +117,12 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     plan = plan_job(config)
     store = OutputStore(config.output.path)
     if retry_errors:
-        only_rows, done = store.open_retry(plan.fingerprint), set()
+        only_rows, done = store.open_retry(plan.fingerprint, config.sampling.n), set()
         todo = sum(len(rows) for rows in only_rows.values())
     else:
         only_rows, done = None, store.open(plan.fingerprint, overwrite=overwrite,
-                                           rows_total=plan.input.num_rows)
+                                           rows_total=plan.input.num_rows,
+                                           samples=config.sampling.n)
         todo = sum(b.num_rows for b in plan.input.blocks if b.ordinal not in done)
     layout = PartLayout(
         staging=str(store.staging),
@@ -111,6 +130,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         added_columns=tuple(config.generated_columns()),
         block_starts=tuple(b.ordinal for b in plan.input.blocks),
         merge_from=str(store.path) if retry_errors else None,
+        samples=config.sampling.n,
     )
     progress = progress or Progress(total=0, enabled=False)
     progress.total = todo
@@ -121,15 +141,17 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         if ds is not None:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for record in batch.to_pylist():
-                    progress.update(record["rows"], record["completion_tokens"],
+                    progress.update(record["rows"] // config.sampling.n,
+                                    record["completion_tokens"],
                                     sum(json.loads(record["errors"]).values()))
     progress.finish()
     summary = summarize_staged(store)
+    summary.structured = plan.structured is not None
     summary.rows_total = plan.input.num_rows
     summary.rows_resumed = plan.input.num_rows - todo
     summary.seconds = time.time() - started
     store.commit({"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
-                  "rows_total": plan.input.num_rows,
+                  "rows_total": plan.input.num_rows, "samples": config.sampling.n,
                   "config": config.model_dump(mode="json"), "summary": summary.__dict__})
     return summary
 

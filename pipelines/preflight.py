@@ -11,12 +11,14 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
 from pipelines.read import InputPlan, scan_input
 from udfs import columns
 from udfs.engine import EngineSpec
+from udfs.parsers import SchemaError, StructuredSpec
 from udfs.predictor import SamplingSpec
 from udfs.prompts import RenderSpec, TemplateError, compile_template, load_tokenizer
 
@@ -29,6 +31,7 @@ class JobPlan:
     engine: EngineSpec
     sampling: SamplingSpec
     fingerprint: dict
+    structured: StructuredSpec | None = None
 
     @property
     def fingerprint_hash(self) -> str:
@@ -39,6 +42,7 @@ class JobPlan:
 def plan_job(config: JobConfig) -> JobPlan:
     """Check the config against the input and the model; raise JobError on the first problem."""
     _, variables = _compile(config.prompt.template)
+    structured = _structured(config)
     plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
                       config.input.id_column)
     _check_columns(config, plan, variables)
@@ -65,10 +69,38 @@ def plan_job(config: JobConfig) -> JobPlan:
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
         key_column=config.input.id_column or columns.ORDINAL,
+        structured=structured.engine_params() if structured else None, n=s.n,
     )
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(config.engine.kind, config.model.name, engine_options),
-                   sampling=sampling, fingerprint=_fingerprint(config, plan, max_model_len))
+                   sampling=sampling, structured=structured,
+                   fingerprint=_fingerprint(config, plan, max_model_len, structured))
+
+
+def _structured(config: JobConfig) -> StructuredSpec | None:
+    """The structured-output spec, its JSON Schema loaded and checked."""
+    section = config.structured
+    if section is None:
+        return None
+    schema = section.json_schema
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(Path(schema).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"structured.json_schema: cannot read {schema!r}: "
+                              f"{exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"structured.json_schema: {schema} line {exc.lineno}: "
+                              f"not valid JSON: {exc.msg}") from None
+    spec = StructuredSpec(json_schema=schema,
+                          choice=tuple(section.choice) if section.choice else None,
+                          regex=section.regex, parsed_column=config.output.parsed_column)
+    which = "json_schema" if schema is not None else "choice" if section.choice else "regex"
+    try:
+        spec.check()
+    except SchemaError as exc:
+        raise ConfigError(f"structured.{which}: {exc}") from None
+    return spec
 
 
 def _compile(template: str):
@@ -134,9 +166,11 @@ def _resolve_model(config: JobConfig) -> int:
     return int(length)
 
 
-def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int) -> dict:
+def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
+                 structured: StructuredSpec | None) -> dict:
     """What determines the job's results; a resumed run must match it exactly."""
     return {
+        "structured": structured.engine_params() if structured else None,
         "input files": plan.fingerprint_parts(),
         "input": config.input.model_dump(exclude={"path"}),
         "prompt": config.prompt.model_dump(),

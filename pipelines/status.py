@@ -29,14 +29,16 @@ def output_status(path: str) -> list[str]:
         for name in sorted(p.name for p in folder.iterdir()):
             if name.endswith(".parquet") and not name.startswith("."):
                 summary.add_part(summarize_part(folder / name))
-    total = record.get("rows_total") or summary.rows
+    samples = record.get("samples", 1)
+    done = summary.rows // samples  # input rows: each has `samples` output rows
+    total = record.get("rows_total") or done
     errors = ", ".join(f"{k} {v}" for k, v in sorted(summary.errors.items())) or "none"
     started = record.get("started")
     lines = [
         f"output: {store.path}",
         f"state: {STATES.get(state, state)}",
-        f"rows: {summary.rows}/{total} written ({100 * summary.rows / max(total, 1):.0f}%), "
-        f"{total - summary.rows} left, in {summary.parts} parts",
+        f"rows: {done}/{total} written ({100 * done / max(total, 1):.0f}%), "
+        f"{total - done} left, in {summary.parts} parts",
         f"errors: {sum(summary.errors.values())} ({errors}); skipped: {summary.skipped}",
         f"tokens: {summary.prompt_tokens} in, {summary.completion_tokens} out",
     ]

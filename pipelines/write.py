@@ -72,6 +72,7 @@ class PartLayout:
     block_starts: tuple[int, ...]  # first ordinal of every planned block, sorted
     # --retry-errors: the committed output whose parts the re-run rows are merged into
     merge_from: str | None = None
+    samples: int = 1  # output rows per input row (sampling.n)
 
 
 class PartWriter:
@@ -106,11 +107,13 @@ class PartWriter:
     def _merge(self, start: int, ordinals: pa.Array, rows: pa.Table) -> pa.Table:
         """The committed part of this block with ``rows`` (re-run) in place of the old ones."""
         old = pq.read_table(Path(self.layout.merge_from) / part_name(start))
-        positions = [o - start for o in ordinals.to_pylist()]
+        n = self.layout.samples
+        positions = [o - start for o in ordinals.to_pylist()]  # input rows, n times each
         taken = set(positions)
-        keep = [i for i in range(old.num_rows) if i not in taken]
+        keep = [i for i in range(old.num_rows) if i // n not in taken]
         merged = pa.concat_tables([old.take(keep), rows.cast(old.schema)])
-        order = pc.sort_indices(pa.array(keep + positions))
+        # stable sort by input row: a row's samples stay in sample order
+        order = pc.sort_indices(pa.array([i // n for i in keep] + positions))
         return merged.take(order)
 
 
@@ -160,7 +163,8 @@ class OutputStore:
         write_atomically(self.record, lambda tmp: tmp.write_text(
             json.dumps(record, indent=2, default=str)))
 
-    def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0) -> set[int]:
+    def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0,
+             samples: int = 1) -> set[int]:
         """Prepare staging for this job; return the first ordinals of blocks already written."""
         if self.path.exists() and not overwrite:
             raise OutputError(f"output.path {str(self.path)!r} already exists; "
@@ -179,12 +183,13 @@ class OutputStore:
             shutil.rmtree(self.staging)
         self.staging.mkdir(parents=True)
         self.write_record({"state": "running", "started": time.time(),
-                           "rows_total": rows_total, "fingerprint": fingerprint})
+                           "rows_total": rows_total, "samples": samples,
+                           "fingerprint": fingerprint})
         return set()
 
-    def open_retry(self, fingerprint: dict) -> dict[int, list[int]]:
+    def open_retry(self, fingerprint: dict, samples: int = 1) -> dict[int, list[int]]:
         """Stage a re-run of the rows with errors in the committed output. Parts without
-        errors are linked into staging unchanged; returns {block start: row positions}."""
+        errors are linked into staging unchanged; returns {block start: input positions}."""
         record = self.read_record()
         if not self.path.exists() or not record or record.get("state") != "complete":
             raise OutputError(f"--retry-errors: {str(self.path)!r} is not a completed output "
@@ -202,7 +207,8 @@ class OutputStore:
             if start is None:
                 continue
             errors = pq.read_table(self.path / name, columns=[columns.ERROR]).column(0)
-            failed = [i for i, e in enumerate(errors.to_pylist()) if e is not None]
+            failed = sorted({i // samples for i, e in enumerate(errors.to_pylist())
+                             if e is not None})
             if failed:
                 retry[start] = failed
             else:

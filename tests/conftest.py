@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm-cache"))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here or in CI: fail fast
 
 REPO = Path(__file__).resolve().parent.parent
 KV_CACHE = 128 << 20

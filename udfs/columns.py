@@ -7,6 +7,9 @@ stages and are dropped before a part is written.
 # Added to the output when the input has no id column: the row's position in the input.
 ROW_ID = "row_id"
 
+# With sampling.n > 1: which of the row's samples this output row is (0-based).
+SAMPLE_INDEX = "sample_index"
+
 # Added to every output row, after the generated-text column (whose name the job chooses).
 FINISH_REASON = "finish_reason"  # "stop", "length", "skipped", or null on error
 PROMPT_TOKENS = "prompt_tokens"
@@ -30,6 +33,7 @@ class ErrorKind:
     RENDER = "render_error"  # the template failed on this row's values
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens exceeds max_model_len
     ENGINE = "engine_error"  # the engine rejected or failed this request
+    PARSE = "parse_error"  # structured output did not parse or validate (e.g. cut off)
 
 
 class FinishReason:

@@ -32,6 +32,8 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Constrained decoding: {"json": schema} | {"choice": [...]} | {"regex": "..."}
+    structured: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class SamplingSpec:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     key_column: str = columns.ORDINAL  # the id column, when the input has one
+    structured: dict | None = None  # see GenerationRequest.structured
+    n: int = 1  # samples per row: the output has n rows per input row
 
 
 def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
@@ -45,22 +47,30 @@ class Predictor:
         self.sampling = sampling
         self.output_column = output_column
 
-    def _request(self, token_ids: list[int], key) -> GenerationRequest:
+    def _request(self, token_ids: list[int], key, sample: int) -> GenerationRequest:
         s = self.sampling
         return GenerationRequest(
             prompt_token_ids=token_ids, max_tokens=s.max_tokens, temperature=s.temperature,
             top_p=s.top_p, top_k=s.top_k, min_tokens=s.min_tokens,
-            seed=row_seed(s.seed, key), stop=s.stop, ignore_eos=s.ignore_eos,
+            seed=row_seed(s.seed, key, sample), stop=s.stop, ignore_eos=s.ignore_eos,
+            structured=s.structured,
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        n = self.sampling.n
+        if n > 1:  # one row per sample: the source columns repeated
+            samples = list(range(n)) * batch.num_rows
+            batch = batch.take([i for i in range(batch.num_rows) for _ in range(n)])
+        else:
+            samples = [0] * batch.num_rows
         token_ids = batch.column(columns.PROMPT_TOKEN_IDS).to_pylist()
         keys = batch.column(self.sampling.key_column).to_pylist()
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
-        results = self.engine.generate([self._request(token_ids[i], keys[i]) for i in todo])
+        results = self.engine.generate([self._request(token_ids[i], keys[i], samples[i])
+                                        for i in todo])
 
-        n = batch.num_rows
-        text, completion = [None] * n, [None] * n
+        rows = batch.num_rows
+        text, completion = [None] * rows, [None] * rows
         finish = batch.column(columns.FINISH_REASON).to_pylist()
         kinds = batch.column(columns.ERROR_KIND).to_pylist()
         errors = batch.column(columns.ERROR).to_pylist()
@@ -72,6 +82,8 @@ class Predictor:
                                                  result.completion_tokens)
         batch = batch.drop_columns([columns.PROMPT_TOKEN_IDS, columns.FINISH_REASON,
                                     columns.ERROR_KIND, columns.ERROR])
+        if n > 1:
+            batch = batch.append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
         return (batch
                 .append_column(self.output_column, pa.array(text, pa.string()))
                 .append_column(columns.FINISH_REASON, pa.array(finish, pa.string()))

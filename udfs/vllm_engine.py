@@ -24,7 +24,8 @@ def on_cpu() -> bool:
 
 class VLLMEngine:
     """Options (``spec.options``): max_model_len, dtype, tensor_parallel_size, trust_remote_code,
-    kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, multiprocessing, args."""
+    kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, multiprocessing,
+    structured_outputs, args."""
 
     def __init__(self, spec: EngineSpec):
         opts = dict(spec.options)
@@ -59,6 +60,7 @@ class VLLMEngine:
             trust_remote_code=opts.pop("trust_remote_code", False),
             enforce_eager=_default(opts.pop("enforce_eager", None), cpu),
             gpu_memory_utilization=opts.pop("gpu_memory_utilization", 0.9),
+            structured_outputs_config=opts.pop("structured_outputs", None),
         )
         if cpu:
             # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded
@@ -85,6 +87,8 @@ class VLLMEngine:
             seed=req.seed,
             stop=list(req.stop) or None,
             ignore_eos=req.ignore_eos,
+            structured_outputs=(self._vllm.sampling_params.StructuredOutputsParams(
+                **req.structured) if req.structured else None),
         )
 
     def _prompt(self, req: GenerationRequest):

@@ -1,0 +1,129 @@
+"""Structured output and synthetic data: the shipped configs, run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from pipelines import load_config, run_job
+from pipelines.errors import ConfigError
+from pipelines.preflight import plan_job
+from udfs.columns import ErrorKind
+from udfs.parsers import OutputParser, StructuredSpec, schema_to_arrow
+
+from conftest import KV_CACHE, REPO
+
+TINY = ["model.dtype=float32", "model.max_model_len=1024",
+        f"engine.kv_cache_memory_bytes={KV_CACHE}"]
+
+
+@pytest.fixture(scope="session")
+def shipped(tiny_model, ray_cluster, tmp_path_factory, monkeypatch_session):
+    """Run a config from configs/ on the tiny model, the way its comment says."""
+    monkeypatch_session.chdir(REPO)  # the configs name their data relative to the repo
+    root = tmp_path_factory.mktemp("shipped")
+    done = {}
+
+    def run(name: str, tag: str = ""):
+        key = name + tag
+        if key not in done:
+            out = root / key
+            config = load_config(REPO / "configs" / f"{name}.yaml",
+                                 [f"model.name={tiny_model}", f"output.path={out}", *TINY])
+            done[key] = (run_job(config), pl.read_parquet(out))
+        return done[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def monkeypatch_session():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_json_schema_output_validates_and_lands_as_typed_columns(shipped):
+    summary, out = shipped("extract_attributes")
+    assert out.height == 300 and out["error"].null_count() == 300
+    assert out.schema["attributes"] == pl.Struct({
+        "category": pl.String, "material": pl.String, "color": pl.String,
+        "price_band": pl.String, "giftable": pl.Boolean, "rating": pl.Int64,
+        "keywords": pl.List(pl.String)})
+    attrs = out.unnest("attributes")
+    assert set(attrs["category"]) <= {"lighting", "furniture", "clothing", "kitchen",
+                                      "electronics", "bags", "other"}
+    assert attrs["rating"].is_between(1, 5).all()
+    for raw, parsed in zip(out["attributes_json"], out["attributes"]):
+        assert json.loads(raw) == parsed  # the raw text stays, and says the same
+    assert "structured output: 300/300 valid (100.0%)" in summary.lines()
+
+
+def test_choice_yields_only_allowed_values(shipped):
+    summary, out = shipped("classify_reviews")
+    assert out.height == 60
+    assert set(out["sentiment"]) <= {"positive", "negative", "mixed"}
+    assert out["error"].null_count() == 60
+    assert out["review_id"].to_list() == list(range(60))
+
+
+def test_n_samples_give_n_rows_each_reproducibly(shipped):
+    summary, out = shipped("synthetic_qa")
+    topics = pl.read_ndjson(REPO / "data" / "topics.jsonl")
+    assert out.height == 3 * topics.height
+    assert out["topic_id"].to_list() == [t for t in topics["topic_id"] for _ in range(3)]
+    assert out["sample_index"].to_list() == [0, 1, 2] * topics.height
+    assert out.select(topics.columns).equals(topics.select(pl.all().repeat_by(3).explode()))
+    assert out.group_by("topic_id").agg(pl.col("qa_json").n_unique())["qa_json"].min() > 1
+    _, again = shipped("synthetic_qa", tag="-again")
+    assert again["qa_json"].to_list() == out["qa_json"].to_list()
+    assert out.unnest("qa")["difficulty"].is_in(["easy", "medium", "hard"]).all()
+
+
+def test_plain_rewrite_config_runs(shipped):
+    summary, out = shipped("product_rewrite")
+    assert out.height == 300 and summary.rows_ok == 300
+    assert "structured output" not in "\n".join(summary.lines())
+
+
+def test_invalid_schema_is_a_job_error_before_the_engine(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"t": "x"}\n')
+    config = {"input": {"path": str(tmp_path / "in.jsonl")}, "model": {"name": "m"},
+              "prompt": {"template": "{{ t }}"}, "output": {"path": str(tmp_path / "o")},
+              "structured": {"json_schema": {"type": "object",
+                                             "properties": {"a": {"type": "strin"}}}}}
+    with pytest.raises(ConfigError, match=r"structured\.json_schema: at properties/a/type"):
+        plan_job(load_config(config))
+    config["structured"] = {"choice": ["a"], "regex": "b"}
+    with pytest.raises(ConfigError, match="give exactly one of json_schema, choice, regex"):
+        load_config(config)
+
+
+def test_truncated_or_invalid_output_keeps_its_text_and_gets_an_error():
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}},
+              "required": ["n"]}
+    parser = OutputParser(StructuredSpec(json_schema=schema), "text")
+    batch = pa.table({"text": ['{"n": 2}', '{"n": 1', '{"n": 9}', None],
+                      "error_kind": [None, None, None, "null_field"],
+                      "error": [None, None, None, "column 'x' is null"]})
+    out = parser(batch).to_pylist()
+    assert out[0]["parsed"] == {"n": 2} and out[0]["error"] is None
+    assert out[1]["error_kind"] == ErrorKind.PARSE and "not valid JSON" in out[1]["error"]
+    assert out[1]["text"] == '{"n": 1' and out[1]["parsed"] is None
+    assert "does not match the schema at n" in out[2]["error"]
+    assert out[3]["error_kind"] == "null_field"
+
+
+def test_schema_types_map_to_arrow():
+    schema = {"type": "object", "properties": {
+        "s": {"type": "string"}, "i": {"type": "integer"}, "f": {"type": "number"},
+        "b": {"type": "boolean"}, "e": {"enum": ["x", "y"]}, "opt": {"type": ["string", "null"]},
+        "l": {"type": "array", "items": {"type": "integer"}},
+        "o": {"type": "object", "properties": {"k": {"type": "string"}}}}}
+    assert schema_to_arrow(schema) == pa.struct([
+        ("s", pa.string()), ("i", pa.int64()), ("f", pa.float64()), ("b", pa.bool_()),
+        ("e", pa.string()), ("opt", pa.string()), ("l", pa.list_(pa.int64())),
+        ("o", pa.struct([("k", pa.string())]))])
