@@ -87,6 +87,9 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     max_tokens: int = Field(256, gt=0)
+    max_tokens_column: str | None = Field(
+        None, description="A column holding each row's own max_tokens (at most max_tokens; "
+        "null: max_tokens).")
     n: int = Field(1, ge=1, description="Samples per input row: one output row each, with a "
                    "sample_index; each sample's seed derives from the job seed and the row id.")
     min_tokens: int = Field(0, ge=0)

@@ -70,6 +70,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
         key_column=config.input.id_column or columns.ORDINAL,
         structured=structured.engine_params() if structured else None, n=s.n,
+        max_tokens_column=s.max_tokens_column,
     )
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(config.engine.kind, config.model.name, engine_options),
@@ -130,6 +131,10 @@ def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> 
             shown = ", ".join(repr(d) for d in dupes[:5])
             raise InputError(f"input.id_column {id_column!r} is not unique: {len(dupes)} "
                              f"value(s) repeat, e.g. {shown}")
+    cap = config.sampling.max_tokens_column
+    if cap is not None and cap not in names:
+        raise InputError(f"sampling.max_tokens_column {cap!r} is not a column of the input; "
+                         f"its columns are: {', '.join(names)}")
     clashes = [c for c in config.generated_columns() if c in names]
     if clashes:
         hint = (" (name your id column in input.id_column)" if clashes[0] == columns.ROW_ID

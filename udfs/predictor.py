@@ -31,6 +31,7 @@ class SamplingSpec:
     key_column: str = columns.ORDINAL  # the id column, when the input has one
     structured: dict | None = None  # see GenerationRequest.structured
     n: int = 1  # samples per row: the output has n rows per input row
+    max_tokens_column: str | None = None  # each row's own cap, at most max_tokens
 
 
 def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
@@ -47,12 +48,16 @@ class Predictor:
         self.sampling = sampling
         self.output_column = output_column
 
-    def _request(self, token_ids: list[int], key, sample: int) -> GenerationRequest:
+    def _request(self, token_ids: list[int], key, sample: int,
+                 max_tokens: int | None) -> GenerationRequest:
         s = self.sampling
+        cap = s.max_tokens if max_tokens is None else max(1, min(max_tokens, s.max_tokens))
         return GenerationRequest(
-            prompt_token_ids=token_ids, max_tokens=s.max_tokens, temperature=s.temperature,
+            prompt_token_ids=token_ids, max_tokens=cap, temperature=s.temperature,
             top_p=s.top_p, top_k=s.top_k, min_tokens=s.min_tokens,
-            seed=row_seed(s.seed, key, sample), stop=s.stop, ignore_eos=s.ignore_eos,
+            # greedy needs no seed, and an unseeded request skips its own generator
+            seed=row_seed(s.seed, key, sample) if s.temperature > 0 else None,
+            stop=s.stop, ignore_eos=s.ignore_eos,
             structured=s.structured,
         )
 
@@ -65,9 +70,11 @@ class Predictor:
             samples = [0] * batch.num_rows
         token_ids = batch.column(columns.PROMPT_TOKEN_IDS).to_pylist()
         keys = batch.column(self.sampling.key_column).to_pylist()
+        caps = (batch.column(self.sampling.max_tokens_column).to_pylist()
+                if self.sampling.max_tokens_column else [None] * batch.num_rows)
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
-        results = self.engine.generate([self._request(token_ids[i], keys[i], samples[i])
-                                        for i in todo])
+        results = self.engine.generate([self._request(token_ids[i], keys[i], samples[i],
+                                                      caps[i]) for i in todo])
 
         rows = batch.num_rows
         text, completion = [None] * rows, [None] * rows

@@ -1,0 +1,282 @@
+"""Throughput and memory of overnight's pipeline, against bare vLLM on the same prompts.
+
+    python benchmarks/throughput.py                # defaults below; prints a table, writes JSON
+    python benchmarks/throughput.py --rows 200 --mem-rows 1000 5000
+
+One run measures, on the same rendered prompts, same model, same greedy sampling, with per-row
+output lengths drawn from [--min-tokens, --max-tokens] (ignore_eos, so lengths are exact):
+  1. ceiling: bare ``vllm.LLM.generate`` on all prompts in one call;
+  2. naive:   a loop of ``LLM.generate`` over fixed batches of --batch-size, each waiting for
+              its longest sequence (what a per-block predictor does);
+  3. overnight: ``overnight run`` end to end, Parquet to Parquet, through Ray Data.
+Each runs in its own fresh process. Reported: output tokens/s over the generation (1, 2) and
+over the whole command (1, 2, 3), the ratios 3/1 and 3/2, time to first committed part, and
+the peak RSS of the pipeline's whole process tree (driver, Ray, workers) at two input sizes.
+The greedy texts of 3 are compared with those of 1, row for row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+WORDS = ("soft bright lamp chair steel wood cotton glass leather warm cool modern classic "
+         "durable elegant quiet small large light heavy premium").split()
+
+
+def make_input(path: Path, rows: int, lo: int, hi: int, seed: int = 0) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    pq.write_table(pa.table({
+        "id": [f"r{i:06d}" for i in range(rows)],
+        "text": [" ".join(rng.choices(WORDS, k=rng.randint(8, 60))) for _ in range(rows)],
+        "max_tokens": [rng.randint(lo, hi) for _ in range(rows)],
+    }), path)
+
+
+def job(model: str, source: Path, out: Path, hi: int, batch_size: int, dtype: str) -> dict:
+    return {
+        "input": {"path": str(source), "id_column": "id"},
+        "model": {"name": model, "max_model_len": 1024, "dtype": dtype},
+        "prompt": {"system": "Describe.", "template": "{{ text }}"},
+        "sampling": {"temperature": 0.0, "max_tokens": hi, "max_tokens_column": "max_tokens",
+                     "ignore_eos": True},
+        "output": {"path": str(out), "column": "text_out"},
+        "engine": {"kv_cache_memory_bytes": 1 << 30},
+        "resources": {"batch_size": batch_size},
+    }
+
+
+def render(config: dict) -> tuple[list[list[int]], list[int]]:
+    """The prompts exactly as the pipeline renders them, and each row's max_tokens."""
+    import pyarrow.parquet as pq
+
+    from pipelines.config import load_config
+    from pipelines.preflight import plan_job
+    from udfs import columns
+    from udfs.prompts import PromptRenderer
+
+    plan = plan_job(load_config(config))
+    table = pq.read_table(config["input"]["path"])
+    rendered = PromptRenderer(plan.render)(table)
+    return (rendered.column(columns.PROMPT_TOKEN_IDS).to_pylist(),
+            table.column("max_tokens").to_pylist())
+
+
+def reference(mode: str, spec_path: str) -> None:
+    """Runs in a fresh process: bare vLLM, in one call (ceiling) or in fixed batches."""
+    started = time.time()
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=1024,
+                   kv_cache_memory_bytes=1 << 30, enforce_eager=True,
+                   enable_chunked_prefill=False)
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    params = [vllm.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in spec["max_tokens"]]
+    gen_start = time.time()
+    if mode == "ceiling":
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        b, outs = spec["batch_size"], []
+        for i in range(0, len(prompts), b):
+            outs += llm.generate(prompts[i:i + b], params[i:i + b], use_tqdm=False)
+    gen = time.time() - gen_start
+    print(json.dumps({
+        "texts": [o.outputs[0].text for o in outs],
+        "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "generate_s": gen, "process_start_to_done_s": time.time() - started,
+    }))
+
+
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def run_pipeline(config: dict, work: Path, name: str) -> dict:
+    """``overnight run`` in a fresh process; samples its process tree's RSS."""
+    import yaml
+
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    staging = Path(config["output"]["path"] + ".partial")
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(path),
+                             "--quiet", "--overwrite"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, first_part = 0, None
+
+    def sample():
+        nonlocal peak, first_part
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(proc.pid))
+            if first_part is None and staging.exists() and any(staging.glob("part-*")):
+                first_part = time.time() - started
+            time.sleep(0.25)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    stdout, stderr = proc.communicate()
+    watcher.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"overnight run failed:\n{stderr[-2000:]}")
+    return {"process_start_to_done_s": time.time() - started, "first_part_s": first_part,
+            "peak_rss_mib": peak / 2**20, "stdout": stdout}
+
+
+def steady_state(out: Path) -> dict:
+    """Output tokens/s once the pipeline is running: the tokens of every part after the
+    first, over the time from the first part's commit to the last's (fixed start-up left out)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    parts = sorted(out.glob("part-*.parquet"), key=lambda p: p.stat().st_mtime)
+    if len(parts) < 2:
+        return {"steady_tok_s": None}
+    span = parts[-1].stat().st_mtime - parts[0].stat().st_mtime
+    tokens = sum(pc.sum(pq.read_table(p, columns=["completion_tokens"]).column(0)).as_py()
+                 for p in parts[1:])
+    return {"steady_tok_s": tokens / span if span > 0 else None, "steady_window_s": span}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=400)
+    ap.add_argument("--min-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--mem-rows", type=int, nargs=2, default=[2000, 20000])
+    ap.add_argument("--work", default=str(REPO / "benchmarks" / ".work"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "throughput.json"))
+    args = ap.parse_args()
+
+    from pipelines.tiny_model import build_tiny_model
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    bench_model = work / "bench-model"
+    if not (bench_model / "config.json").exists():
+        build_tiny_model(bench_model, size="bench")
+    source = work / "prompts.parquet"
+    make_input(source, args.rows, args.min_tokens, args.max_tokens)
+    config = job(str(bench_model), source, work / "out", args.max_tokens, args.batch_size,
+                 args.dtype)
+    prompts, caps = render(config)
+    spec = work / "spec.json"
+    spec.write_text(json.dumps({"model": str(bench_model), "dtype": args.dtype,
+                                "prompts": prompts, "max_tokens": caps,
+                                "batch_size": args.batch_size}))
+
+    results = {}
+    for mode in ("ceiling", "naive"):
+        print(f"running {mode} ...", file=sys.stderr)
+        out = subprocess.run([sys.executable, __file__, "_reference", mode, str(spec)],
+                             capture_output=True, text=True, cwd=REPO, check=True)
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    print("running overnight ...", file=sys.stderr)
+    pipe = run_pipeline(config, work, "pipeline")
+    import polars as pl
+
+    out = pl.read_parquet(work / "out")
+    pipe["tokens"] = int(out["completion_tokens"].sum())
+    pipe.update(steady_state(work / "out"))
+    pipe["identical_to_ceiling"] = out["text_out"].to_list() == results["ceiling"]["texts"]
+    results["overnight"] = pipe
+
+    memory = {}
+    tiny = work / "tiny-model"
+    if not (tiny / "config.json").exists():
+        build_tiny_model(tiny)
+    for rows in args.mem_rows:
+        print(f"memory at {rows} rows ...", file=sys.stderr)
+        src = work / f"mem-{rows}.parquet"
+        make_input(src, rows, 4, 8, seed=1)
+        mem_config = job(str(tiny), src, work / f"mem-out-{rows}", 8, 256, "float32")
+        memory[rows] = run_pipeline(mem_config, work, f"mem-{rows}")
+
+    report(args, results, memory)
+
+
+def report(args, results: dict, memory: dict) -> None:
+    c, n, o = results["ceiling"], results["naive"], results["overnight"]
+    tok = c["tokens"]
+    rows = [
+        ("1 ceiling: LLM.generate, one call", c["generate_s"], c["process_start_to_done_s"]),
+        (f"2 naive: LLM.generate per {args.batch_size} rows", n["generate_s"],
+         n["process_start_to_done_s"]),
+        ("3 overnight run, Parquet to Parquet", None, o["process_start_to_done_s"]),
+    ]
+    print(f"\n{args.rows} prompts, output lengths {args.min_tokens}..{args.max_tokens} "
+          f"(ignore_eos), {tok} output tokens, bench model (hidden 512, 6 layers), "
+          f"{args.dtype}, CPU")
+    print(f"{'':42} {'generate s':>11} {'tok/s':>8} {'process s':>10} {'tok/s':>8}")
+    for name, gen, whole in rows:
+        g = f"{gen:11.1f} {tok / gen:8.0f}" if gen else f"{'':11} {'':8}"
+        print(f"{name:42} {g} {whole:10.1f} {tok / whole:8.0f}")
+    whole = {k: v["process_start_to_done_s"] for k, v in results.items()}
+    ceiling_rate, naive_rate = tok / c["generate_s"], tok / n["generate_s"]
+    ratios = {
+        "3/1 whole process": whole["ceiling"] / whole["overnight"],
+        "3/2 whole process": whole["naive"] / whole["overnight"],
+    }
+    if o.get("steady_tok_s"):
+        print(f"3 overnight, steady state (first part to last, {o['steady_window_s']:.1f} s): "
+              f"{o['steady_tok_s']:.0f} tok/s")
+        ratios["3/1 steady state vs ceiling generate"] = o["steady_tok_s"] / ceiling_rate
+        ratios["3/2 steady state vs naive generate"] = o["steady_tok_s"] / naive_rate
+    for k, v in ratios.items():
+        print(f"ratio {k}: {v:.2f}")
+    print(f"time to first committed part: {o['first_part_s']:.1f} s")
+    print(f"greedy texts identical to the ceiling's, row for row: {o['identical_to_ceiling']}")
+    sizes = sorted(memory)
+    for rows in sizes:
+        print(f"peak RSS, process tree, {rows} rows: {memory[rows]['peak_rss_mib']:.0f} MiB "
+              f"({memory[rows]['process_start_to_done_s']:.0f} s)")
+    growth = memory[sizes[1]]["peak_rss_mib"] / memory[sizes[0]]["peak_rss_mib"] - 1
+    print(f"memory growth {sizes[0]} -> {sizes[1]} rows: {100 * growth:+.1f}%")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for r in results.values():
+        r.pop("texts", None)
+        r.pop("stdout", None)
+    for m in memory.values():
+        m.pop("stdout", None)
+    Path(args.out).write_text(json.dumps({
+        "args": vars(args), "output_tokens": tok, "results": results, "ratios": ratios,
+        "memory": {str(k): v for k, v in memory.items()}, "memory_growth": growth,
+    }, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "_reference":
+        reference(sys.argv[2], sys.argv[3])
+    else:
+        main()
