@@ -1,0 +1,58 @@
+"""The vLLM engine behind the predictor: one bad request never fails the others, and
+blocks submitted together from several threads all complete, each in its own order."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from udfs.engine import EngineSpec, GenerationRequest, build_engine
+
+from conftest import KV_CACHE
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_model):
+    engine = build_engine(EngineSpec("vllm", tiny_model, {
+        "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": KV_CACHE}))
+    yield engine
+    engine.close()
+
+
+def test_a_request_the_engine_rejects_is_a_row_error(vllm_engine, llm):
+    import vllm
+
+    ok = [0, 3, 200, 40, 75]
+    results = vllm_engine.generate([
+        GenerationRequest(ok, 8, temperature=0.0),
+        GenerationRequest([5] * 600, 8, temperature=0.0),  # longer than max_model_len 512
+        GenerationRequest(ok[:3], 8, temperature=0.0),
+    ])
+    assert results[1].text is None
+    assert "VLLMValidationError" in results[1].error and "600" in results[1].error
+    reference = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=ok),
+                              vllm.inputs.TokensPrompt(prompt_token_ids=ok[:3])],
+                             vllm.SamplingParams(temperature=0.0, max_tokens=8),
+                             use_tqdm=False)
+    assert [results[0].text, results[2].text] == [r.outputs[0].text for r in reference]
+
+
+def test_blocks_from_several_threads_share_the_engine(vllm_engine):
+    blocks = [[GenerationRequest([0, 3, 10 + b, 20 + i], 4 + 3 * i, temperature=0.0,
+                                 ignore_eos=True)
+               for i in range(6)] for b in range(4)]
+    got: dict[int, list] = {}
+
+    def run(b):
+        got[b] = vllm_engine.generate(blocks[b])
+
+    threads = [threading.Thread(target=run, args=(b,)) for b in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for b in range(4):
+        assert [r.completion_tokens for r in got[b]] == [4 + 3 * i for i in range(6)]
+        alone = vllm_engine.generate(blocks[b])
+        assert [r.text for r in got[b]] == [r.text for r in alone]
