@@ -12,12 +12,13 @@ from udfs.engine import EngineSpec, GenerationRequest, build_engine
 from conftest import KV_CACHE
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_engine(tiny_model):
-    engine = build_engine(EngineSpec("vllm", tiny_model, {
+    # Not closed: an in-process vLLM engine's shutdown tears down the process-wide
+    # distributed state, which the reference `llm` in this same process still uses. (In a job
+    # each engine has its actor process to itself.)
+    return build_engine(EngineSpec("vllm", tiny_model, {
         "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": KV_CACHE}))
-    yield engine
-    engine.close()
 
 
 def test_a_request_the_engine_rejects_is_a_row_error(vllm_engine, llm):
