@@ -133,8 +133,9 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         samples=config.sampling.n,
     )
     progress = progress or Progress(total=0, enabled=False)
-    progress.total = todo
-    progress.start(str(store.path), already=0)
+    already = 0 if retry_errors else plan.input.num_rows - todo
+    progress.total = todo + already
+    progress.start(str(store.path), already=already)
     with ray_session(config.resources.address, verbose=verbose):
         _quiet_ray_data(verbose)
         ds = build_dataset(plan, layout, frozenset(done), only_rows)
