@@ -8,7 +8,6 @@ column, and a description far too long for the context.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import polars as pl
 import pyarrow.parquet as pq
