@@ -57,3 +57,17 @@ def test_blocks_from_several_threads_share_the_engine(vllm_engine):
         assert [r.completion_tokens for r in got[b]] == [4 + 3 * i for i in range(6)]
         alone = vllm_engine.generate(blocks[b])
         assert [r.text for r in got[b]] == [r.text for r in alone]
+
+
+def test_regex_and_choice_constrain_the_engine(vllm_engine):
+    import re
+
+    prompts = [[0, 3, 200 + i, 40] for i in range(4)]
+    regex = vllm_engine.generate([GenerationRequest(p, 16, temperature=0.0,
+                                                    structured={"regex": r"[0-9]{3}-[a-z]{2}"})
+                                  for p in prompts])
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", r.text) for r in regex), regex
+    choice = vllm_engine.generate([GenerationRequest(p, 16, temperature=0.7, seed=i,
+                                                     structured={"choice": ["yes", "no"]})
+                                   for i, p in enumerate(prompts)])
+    assert {r.text for r in choice} <= {"yes", "no"}
