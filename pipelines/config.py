@@ -67,9 +67,12 @@ class VLLMEngineConfig(_Strict):
 
 
 class PromptConfig(_Strict):
-    template: str = Field(
-        description="Jinja template over the row's columns, e.g. 'Title: {{ title }}'."
+    template: str | None = Field(
+        None, description="Jinja template over the row's columns, e.g. 'Title: {{ title }}'."
     )
+    messages_column: str | None = Field(
+        None, description="Instead of a template: a column holding each row's chat "
+        "messages, a list of {role, content}, for conversations assembled upstream.")
     system: str | None = Field(None, description="System message (chat models).")
     chat: bool = Field(True, description="Apply the model's chat template when it has one.")
     on_too_long: Literal["error", "skip", "truncate"] = Field(
@@ -80,6 +83,12 @@ class PromptConfig(_Strict):
     on_null: Literal["error", "empty"] = Field(
         "error", description="A null in a template column: a row error, or an empty string."
     )
+
+    @model_validator(mode="after")
+    def _template_or_messages(self) -> PromptConfig:
+        if (self.template is None) == (self.messages_column is None):
+            raise ValueError("give exactly one of template, messages_column")
+        return self
 
 
 class SamplingConfig(_Strict):

@@ -41,7 +41,10 @@ class JobPlan:
 
 def plan_job(config: JobConfig) -> JobPlan:
     """Check the config against the input and the model; raise JobError on the first problem."""
-    _, variables = _compile(config.prompt.template)
+    if config.prompt.messages_column is not None:
+        variables = [config.prompt.messages_column]
+    else:
+        _, variables = _compile(config.prompt.template)
     structured = _structured(config)
     plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
                       config.input.id_column)
@@ -56,6 +59,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         system=config.prompt.system, chat=config.prompt.chat,
         on_too_long=config.prompt.on_too_long, on_null=config.prompt.on_null,
         trust_remote_code=config.model.trust_remote_code,
+        messages_column=config.prompt.messages_column,
     )
     engine_options = {
         "max_model_len": max_model_len,
@@ -156,6 +160,9 @@ def _resolve_model(config: JobConfig) -> int:
     except Exception as exc:  # transformers raises OSError, ValueError, HF errors...
         raise JobError(f"model.name {name!r}: cannot load its tokenizer: "
                        f"{' '.join(str(exc).split())[:300]}") from None
+    if config.prompt.messages_column and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"prompt.messages_column needs a chat model; {name!r} has no "
+                          "chat template")
     if config.model.max_model_len is not None:
         return config.model.max_model_len
     try:

@@ -36,7 +36,12 @@ def test_unknown_section_is_named():
 
 
 def test_missing_key_is_named():
-    with pytest.raises(ConfigError, match=r"prompt\.template: required key is missing"):
+    with pytest.raises(ConfigError, match=r"model\.name: required key is missing"):
+        load_config({**BASE, "model": {"dtype": "float32"}})
+
+
+def test_template_or_messages_column():
+    with pytest.raises(ConfigError, match=r"prompt: .*exactly one of template, messages_column"):
         load_config({**BASE, "prompt": {"system": "x"}})
 
 

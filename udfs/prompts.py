@@ -41,7 +41,7 @@ def compile_template(source: str):
 class RenderSpec:
     """What the renderer needs; small and picklable, sent to each Ray worker."""
 
-    template: str
+    template: str | None
     tokenizer: str  # model name or path
     max_model_len: int
     max_tokens: int
@@ -50,6 +50,20 @@ class RenderSpec:
     on_too_long: str = "error"
     on_null: str = "error"
     trust_remote_code: bool = False
+    messages_column: str | None = None  # instead of a template: the row's chat messages
+
+
+def _messages(value) -> list[dict]:
+    """A row's messages column as chat messages; ValueError (a row error) if it is not."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("the messages column must hold a non-empty list of {role, content}")
+    out = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("role"), str) \
+                or not isinstance(item.get("content"), str):
+            raise ValueError(f"not a {{role, content}} message: {str(item)[:80]}")
+        out.append({"role": item["role"], "content": item["content"]})
+    return out
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
@@ -63,7 +77,10 @@ class PromptRenderer:
 
     def __init__(self, spec: RenderSpec):
         self.spec = spec
-        self.template, self.variables = compile_template(spec.template)
+        if spec.messages_column is not None:
+            self.template, self.variables = None, [spec.messages_column]
+        else:
+            self.template, self.variables = compile_template(spec.template)
         self.tokenizer = load_tokenizer(spec.tokenizer, spec.trust_remote_code)
         self.use_chat = spec.chat and bool(getattr(self.tokenizer, "chat_template", None))
         self.budget = spec.max_model_len - spec.max_tokens
@@ -88,11 +105,14 @@ class PromptRenderer:
 
     def render_text(self, row: dict) -> str:
         """The prompt as the engine will see it, before tokenization."""
-        user = self.template.render(**row)
-        if not self.use_chat:
-            return user
-        messages = [{"role": "user", "content": user}]
-        if self.spec.system:
+        if self.template is None:
+            messages = _messages(row[self.spec.messages_column])
+        else:
+            user = self.template.render(**row)
+            if not self.use_chat:
+                return user
+            messages = [{"role": "user", "content": user}]
+        if self.spec.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.spec.system})
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)
