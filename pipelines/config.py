@@ -128,6 +128,9 @@ class OutputConfig(_Strict):
     column: str = Field("generated", description="Name of the generated-text column.")
     parsed_column: str = Field(
         "parsed", description="With structured.json_schema: the struct column of parsed values.")
+    dedupe: bool = Field(
+        False, description="Drop a sample whose text repeats an earlier sample of the same "
+        "input row (with sampling.n > 1); the summary says how many.")
 
 
 class ResourcesConfig(_Strict):

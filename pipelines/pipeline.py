@@ -15,6 +15,7 @@ from pipelines.progress import Progress
 from pipelines.read import read_dataset
 from pipelines.resources import LIGHT_STAGE_CPUS, plan_replicas, ray_session
 from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
+from udfs import columns
 from udfs.columns import ErrorKind
 from udfs.parsers import OutputParser
 from udfs.predictor import Predictor
@@ -23,7 +24,8 @@ from udfs.prompts import PromptRenderer
 
 @dataclass
 class RunSummary:
-    rows: int = 0
+    rows: int = 0  # output rows: input rows x samples (sampling.n), less any deduped
+    input_rows: int = 0
     rows_total: int = 0
     rows_resumed: int = 0  # written by an earlier, interrupted run of the same job
     skipped: int = 0
@@ -34,6 +36,7 @@ class RunSummary:
     seconds: float = 0.0
     output: str = ""
     structured: bool = False
+    deduped: int | None = None  # with output.dedupe: duplicate samples dropped
 
     @property
     def rows_ok(self) -> int:
@@ -41,6 +44,7 @@ class RunSummary:
 
     def add_part(self, record: dict) -> None:
         self.parts += 1
+        self.input_rows += record["input_rows"]
         self.rows += record["rows"]
         self.skipped += record["skipped"]
         self.prompt_tokens += record["prompt_tokens"]
@@ -63,6 +67,8 @@ class RunSummary:
             valid = self.rows_generated - self.errors.get(ErrorKind.PARSE, 0)
             out.insert(1, f"structured output: {valid}/{self.rows_generated} valid "
                           f"({100 * valid / max(self.rows_generated, 1):.1f}%)")
+        if self.deduped is not None:
+            out.insert(1, f"dedupe: {self.deduped} duplicate samples dropped")
         if self.rows_resumed:
             out.insert(0, f"resumed: {self.rows_resumed} rows were written by an earlier run")
         return out
@@ -116,8 +122,9 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     started = time.time()
     plan = plan_job(config)
     store = OutputStore(config.output.path)
+    key_column = config.input.id_column or columns.ROW_ID
     if retry_errors:
-        only_rows, done = store.open_retry(plan.fingerprint, config.sampling.n), set()
+        only_rows, done = store.open_retry(plan.fingerprint, key_column), set()
         todo = sum(len(rows) for rows in only_rows.values())
     else:
         only_rows, done = None, store.open(plan.fingerprint, overwrite=overwrite,
@@ -130,7 +137,9 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         added_columns=tuple(config.generated_columns()),
         block_starts=tuple(b.ordinal for b in plan.input.blocks),
         merge_from=str(store.path) if retry_errors else None,
-        samples=config.sampling.n,
+        key_column=key_column,
+        text_column=config.output.column,
+        dedupe=config.output.dedupe,
     )
     progress = progress or Progress(total=0, enabled=False)
     already = 0 if retry_errors else plan.input.num_rows - todo
@@ -142,13 +151,14 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         if ds is not None:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for record in batch.to_pylist():
-                    progress.update(record["rows"] // config.sampling.n,
-                                    record["completion_tokens"],
+                    progress.update(record["input_rows"], record["completion_tokens"],
                                     sum(json.loads(record["errors"]).values()))
     progress.finish()
-    summary = summarize_staged(store)
+    summary = summarize_staged(store, key_column)
     summary.structured = plan.structured is not None
     summary.rows_total = plan.input.num_rows
+    if config.output.dedupe:  # every input row was written with n samples, less duplicates
+        summary.deduped = plan.input.num_rows * config.sampling.n - summary.rows
     summary.rows_resumed = plan.input.num_rows - todo
     summary.seconds = time.time() - started
     store.commit({"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
@@ -157,11 +167,11 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     return summary
 
 
-def summarize_staged(store: OutputStore) -> RunSummary:
+def summarize_staged(store: OutputStore, key_column: str) -> RunSummary:
     """The summary, counted from the parts themselves (a few columns, one part at a time)."""
     summary = RunSummary(output=str(store.path))
     for ordinal in sorted(store.done_blocks()):
-        summary.add_part(summarize_part(store.staging / part_name(ordinal)))
+        summary.add_part(summarize_part(store.staging / part_name(ordinal), key_column))
     return summary
 
 

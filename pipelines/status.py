@@ -7,6 +7,7 @@ import time
 from pipelines.errors import OutputError
 from pipelines.pipeline import RunSummary
 from pipelines.write import OutputStore, summarize_part
+from udfs import columns
 
 STATES = {
     "running": "unfinished (running now, or interrupted: run the same job again to resume)",
@@ -23,14 +24,15 @@ def output_status(path: str) -> list[str]:
                           f"({store.record.name} is missing)")
     state = record.get("state", "unknown")
     live = state in ("running", "retrying") and store.staging.exists()
+    id_column = record.get("fingerprint", {}).get("input", {}).get("id_column")
+    key_column = id_column or columns.ROW_ID
     folder = store.staging if live else store.path
     summary = RunSummary(output=str(store.path))
     if folder.exists():
         for name in sorted(p.name for p in folder.iterdir()):
             if name.endswith(".parquet") and not name.startswith("."):
-                summary.add_part(summarize_part(folder / name))
-    samples = record.get("samples", 1)
-    done = summary.rows // samples  # input rows: each has `samples` output rows
+                summary.add_part(summarize_part(folder / name, key_column))
+    done = summary.input_rows
     total = record.get("rows_total") or done
     errors = ", ".join(f"{k} {v}" for k, v in sorted(summary.errors.items())) or "none"
     started = record.get("started")

@@ -72,7 +72,20 @@ class PartLayout:
     block_starts: tuple[int, ...]  # first ordinal of every planned block, sorted
     # --retry-errors: the committed output whose parts the re-run rows are merged into
     merge_from: str | None = None
-    samples: int = 1  # output rows per input row (sampling.n)
+    key_column: str = columns.ROW_ID  # the output column that identifies an input row
+    text_column: str = "generated"
+    dedupe: bool = False  # drop a sample whose text repeats an earlier sample of its row
+
+
+def input_offsets(keys: list) -> list[int]:
+    """For each row of a part, which of the block's input rows it belongs to. A part holds
+    its input rows in order, each as a run of one or more rows (its samples) sharing a key."""
+    offsets, current = [], -1
+    for i, key in enumerate(keys):
+        if i == 0 or key != keys[i - 1]:
+            current += 1
+        offsets.append(current)
+    return offsets
 
 
 class PartWriter:
@@ -96,44 +109,62 @@ class PartWriter:
         records = []
         for start, rows in sorted(blocks.items()):
             part = self._arrange(batch.take(rows))
+            if self.layout.dedupe:
+                part = self._dedupe(part)
             if self.layout.merge_from is not None:
                 part = self._merge(start, batch.take(rows).column(columns.ORDINAL), part)
             write_atomically(Path(self.layout.staging) / part_name(start),
                              lambda tmp, part=part: pq.write_table(part, tmp))
-            records.append({"part": part_name(start), **count_part(part)})
+            records.append({"part": part_name(start),
+                            **count_part(part, self.layout.key_column)})
         return pa.Table.from_pylist(records)
 
 
     def _merge(self, start: int, ordinals: pa.Array, rows: pa.Table) -> pa.Table:
         """The committed part of this block with ``rows`` (re-run) in place of the old ones."""
         old = pq.read_table(Path(self.layout.merge_from) / part_name(start))
-        n = self.layout.samples
-        positions = [o - start for o in ordinals.to_pylist()]  # input rows, n times each
+        old_offsets = input_offsets(old.column(self.layout.key_column).to_pylist())
+        positions = [o - start for o in ordinals.to_pylist()]  # re-run input rows
         taken = set(positions)
-        keep = [i for i in range(old.num_rows) if i // n not in taken]
+        keep = [i for i, offset in enumerate(old_offsets) if offset not in taken]
         merged = pa.concat_tables([old.take(keep), rows.cast(old.schema)])
         # stable sort by input row: a row's samples stay in sample order
-        order = pc.sort_indices(pa.array([i // n for i in keep] + positions))
+        order = pc.sort_indices(pa.array([old_offsets[i] for i in keep] + positions))
         return merged.take(order)
+
+    def _dedupe(self, part: pa.Table) -> pa.Table:
+        """Keep the first of identical generations of one input row (samples without text,
+        failed the same way, count as identical), so every input row keeps one row or more."""
+        keys = part.column(self.layout.key_column).to_pylist()
+        texts = part.column(self.layout.text_column).to_pylist()
+        seen, keep = set(), []
+        for i, (key, text) in enumerate(zip(keys, texts)):
+            if (key, text) not in seen:
+                keep.append(i)
+                seen.add((key, text))
+        return part.take(keep) if len(keep) < part.num_rows else part
 
 
 COUNTED = [columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
            columns.COMPLETION_TOKENS]
 
 
-def summarize_part(path: Path) -> dict:
+def summarize_part(path: Path, key_column: str) -> dict:
     """``count_part`` of a written part, reading only the columns it counts."""
-    return count_part(pq.read_table(path, columns=COUNTED))
+    return count_part(pq.read_table(path, columns=[*COUNTED, key_column]), key_column)
 
 
-def count_part(part: pa.Table) -> dict:
-    """What the summary adds up: rows, errors by kind, skipped rows, tokens."""
+def count_part(part: pa.Table, key_column: str) -> dict:
+    """What the summary adds up: input rows, output rows (samples), errors by kind, skipped
+    rows, tokens."""
     kinds = part.column(columns.ERROR_KIND).to_pylist()
     errors: dict[str, int] = {}
     for kind in kinds:
         if kind is not None:
             errors[kind] = errors.get(kind, 0) + 1
+    keys = part.column(key_column).to_pylist()
     return {
+        "input_rows": input_offsets(keys)[-1] + 1 if keys else 0,
         "rows": part.num_rows,
         "errors": json.dumps(errors),
         "skipped": part.column(columns.FINISH_REASON).to_pylist().count(
@@ -187,7 +218,7 @@ class OutputStore:
                            "fingerprint": fingerprint})
         return set()
 
-    def open_retry(self, fingerprint: dict, samples: int = 1) -> dict[int, list[int]]:
+    def open_retry(self, fingerprint: dict, key_column: str) -> dict[int, list[int]]:
         """Stage a re-run of the rows with errors in the committed output. Parts without
         errors are linked into staging unchanged; returns {block start: input positions}."""
         record = self.read_record()
@@ -206,8 +237,9 @@ class OutputStore:
             start = part_ordinal(name)
             if start is None:
                 continue
-            errors = pq.read_table(self.path / name, columns=[columns.ERROR]).column(0)
-            failed = sorted({i // samples for i, e in enumerate(errors.to_pylist())
+            part = pq.read_table(self.path / name, columns=[key_column, columns.ERROR])
+            offsets = input_offsets(part.column(key_column).to_pylist())
+            failed = sorted({offsets[i] for i, e in enumerate(part.column(1).to_pylist())
                              if e is not None})
             if failed:
                 retry[start] = failed

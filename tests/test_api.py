@@ -65,3 +65,14 @@ def test_truncate_policy_fits_the_prompt(tiny_model, tmp_path):
     assert out.column("prompt_tokens").to_pylist()[2] == 512 - 16
     ids = out.column(columns.PROMPT_TOKEN_IDS).to_pylist()[2]
     assert ids[0] == 0  # the chat template's BOS survives: tokens are cut from the middle
+
+
+def test_dedupe_drops_identical_samples(tiny_model, ray_cluster):
+    """Greedy samples of one row are identical: dedupe keeps the first of each row."""
+    config = job_config(tiny_model, "unused", "unused", sampling={"n": 3},
+                        output={"dedupe": True})
+    out, summary = run_dataframe(PRODUCTS, config, return_summary=True)
+    assert out["row_id"].to_list() == list(range(PRODUCTS.height))
+    assert out["sample_index"].to_list() == [0] * PRODUCTS.height
+    assert summary.deduped == 2 * PRODUCTS.height
+    assert f"dedupe: {2 * PRODUCTS.height} duplicate samples dropped" in summary.lines()
