@@ -128,8 +128,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         todo = sum(len(rows) for rows in only_rows.values())
     else:
         only_rows, done = None, store.open(plan.fingerprint, overwrite=overwrite,
-                                           rows_total=plan.input.num_rows,
-                                           samples=config.sampling.n)
+                                           rows_total=plan.input.num_rows)
         todo = sum(b.num_rows for b in plan.input.blocks if b.ordinal not in done)
     layout = PartLayout(
         staging=str(store.staging),
@@ -162,7 +161,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     summary.rows_resumed = plan.input.num_rows - todo
     summary.seconds = time.time() - started
     store.commit({"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
-                  "rows_total": plan.input.num_rows, "samples": config.sampling.n,
+                  "rows_total": plan.input.num_rows,
                   "config": config.model_dump(mode="json"), "summary": summary.__dict__})
     return summary
 

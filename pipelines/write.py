@@ -108,11 +108,12 @@ class PartWriter:
             blocks.setdefault(starts[bisect.bisect_right(starts, ordinal) - 1], []).append(i)
         records = []
         for start, rows in sorted(blocks.items()):
-            part = self._arrange(batch.take(rows))
+            block = batch.take(rows)
+            part = self._arrange(block)
             if self.layout.dedupe:
                 part = self._dedupe(part)
             if self.layout.merge_from is not None:
-                part = self._merge(start, batch.take(rows).column(columns.ORDINAL), part)
+                part = self._merge(start, block.column(columns.ORDINAL), part)
             write_atomically(Path(self.layout.staging) / part_name(start),
                              lambda tmp, part=part: pq.write_table(part, tmp))
             records.append({"part": part_name(start),
@@ -194,8 +195,7 @@ class OutputStore:
         write_atomically(self.record, lambda tmp: tmp.write_text(
             json.dumps(record, indent=2, default=str)))
 
-    def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0,
-             samples: int = 1) -> set[int]:
+    def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0) -> set[int]:
         """Prepare staging for this job; return the first ordinals of blocks already written."""
         if self.path.exists() and not overwrite:
             raise OutputError(f"output.path {str(self.path)!r} already exists; "
@@ -214,8 +214,7 @@ class OutputStore:
             shutil.rmtree(self.staging)
         self.staging.mkdir(parents=True)
         self.write_record({"state": "running", "started": time.time(),
-                           "rows_total": rows_total, "samples": samples,
-                           "fingerprint": fingerprint})
+                           "rows_total": rows_total, "fingerprint": fingerprint})
         return set()
 
     def open_retry(self, fingerprint: dict, key_column: str) -> dict[int, list[int]]:
