@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from pipelines.errors import JobError
 
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="how far a job got: rows done, left, errors")
     status.add_argument("output", help="the job's output.path")
 
+    report = sub.add_parser("report", help="print a finished job's run report again")
+    report.add_argument("output", help="the job's output.path")
+    report.add_argument("--html", metavar="FILE", help="also write it as an HTML page with charts")
+
     tiny = sub.add_parser("tiny-model", help="build the tiny offline demo model")
     tiny.add_argument("out_dir")
     tiny.add_argument("--size", choices=["tiny", "bench"], default="tiny")
@@ -52,13 +57,15 @@ def cmd_run(args) -> int:
     from pipelines.config import load_config
     from pipelines.pipeline import run_job
     from pipelines.progress import Progress
+    from pipelines.report import report_lines
 
     config = load_config(args.config, args.overrides)
     progress = Progress(total=0, enabled=not args.quiet)
     summary = run_job(config, overwrite=args.overwrite, retry_errors=args.retry_errors,
                       progress=progress, verbose=args.verbose)
-    for line in summary.lines():
+    for line in [*report_lines(summary.report), *summary.notes()]:
         print(line)
+    print(f"output: {summary.output}  (report: {summary.report_path})")
     return 0
 
 
@@ -80,6 +87,18 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from pipelines.report import load_report, render_html, report_lines
+
+    report = load_report(args.output)
+    for line in report_lines(report):
+        print(line)
+    if args.html:
+        Path(args.html).write_text(render_html(report), encoding="utf-8")
+        print(f"html: {args.html}")
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from pipelines.tiny_model import build_tiny_model
 
@@ -88,7 +107,7 @@ def cmd_tiny_model(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "validate": cmd_validate, "status": cmd_status,
-            "tiny-model": cmd_tiny_model}
+            "report": cmd_report, "tiny-model": cmd_tiny_model}
 
 
 def main(argv: list[str] | None = None) -> int:

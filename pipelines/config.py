@@ -144,6 +144,17 @@ class ResourcesConfig(_Strict):
     address: str | None = Field(None, description="Ray cluster address; default: a local Ray.")
 
 
+class PricePerMTok(_Strict):
+    input: float = Field(ge=0, description="Price per million prompt tokens.")
+    output: float = Field(ge=0, description="Price per million output tokens.")
+
+
+class ReportConfig(_Strict):
+    price_per_mtok: PricePerMTok | None = Field(
+        None, description="A hosted batch API's prices, to say in the run report what the "
+        "same tokens would have cost there (no built-in price list: it would go stale).")
+
+
 class JobConfig(_Strict):
     input: InputConfig
     model: ModelConfig
@@ -153,6 +164,7 @@ class JobConfig(_Strict):
     structured: StructuredConfig | None = None
     engine: VLLMEngineConfig = VLLMEngineConfig()
     resources: ResourcesConfig = ResourcesConfig()
+    report: ReportConfig = ReportConfig()
 
     @model_validator(mode="after")
     def _output_column_free(self) -> JobConfig:

@@ -13,6 +13,7 @@ from pipelines.config import JobConfig
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
 from pipelines.read import read_dataset
+from pipelines.report import build_report, write_report
 from pipelines.resources import LIGHT_STAGE_CPUS, plan_replicas, ray_session
 from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
 from udfs import columns
@@ -37,6 +38,8 @@ class RunSummary:
     output: str = ""
     structured: bool = False
     deduped: int | None = None  # with output.dedupe: duplicate samples dropped
+    report: dict | None = None  # the run report (pipelines/report.py), once committed
+    report_path: str | None = None
 
     @property
     def rows_ok(self) -> int:
@@ -57,21 +60,30 @@ class RunSummary:
         """Rows the engine generated for (a parse error comes after generation)."""
         return self.rows_ok + self.errors.get(ErrorKind.PARSE, 0)
 
-    def lines(self) -> list[str]:
-        errs = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
-        out = [f"rows: {self.rows} written ({self.rows_ok} ok, {self.skipped} skipped, "
-               f"{sum(self.errors.values())} with errors: {errs})",
-               f"tokens: {self.prompt_tokens} in, {self.completion_tokens} out",
-               f"time: {self.seconds:.1f} s; output: {self.output}"]
+    def notes(self) -> list[str]:
+        """What only some jobs have to say: structured-output validity, dedupe, resume."""
+        out = []
+        if self.rows_resumed:
+            out.append(f"resumed: {self.rows_resumed} rows were written by an earlier run")
         if self.structured:
             valid = self.rows_generated - self.errors.get(ErrorKind.PARSE, 0)
-            out.insert(1, f"structured output: {valid}/{self.rows_generated} valid "
-                          f"({100 * valid / max(self.rows_generated, 1):.1f}%)")
+            out.append(f"structured output: {valid}/{self.rows_generated} valid "
+                       f"({100 * valid / max(self.rows_generated, 1):.1f}%)")
         if self.deduped is not None:
-            out.insert(1, f"dedupe: {self.deduped} duplicate samples dropped")
-        if self.rows_resumed:
-            out.insert(0, f"resumed: {self.rows_resumed} rows were written by an earlier run")
+            out.append(f"dedupe: {self.deduped} duplicate samples dropped")
         return out
+
+    def lines(self) -> list[str]:
+        errs = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
+        return [f"rows: {self.rows} written ({self.rows_ok} ok, {self.skipped} skipped, "
+                f"{sum(self.errors.values())} with errors: {errs})",
+                *self.notes(),
+                f"tokens: {self.prompt_tokens} in, {self.completion_tokens} out",
+                f"time: {self.seconds:.1f} s; output: {self.output}"]
+
+    def counts(self) -> dict:
+        """The numbers kept in the job record."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("report", "report_path")}
 
 
 def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int],
@@ -121,6 +133,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     again, and their new results replace the old ones."""
     started = time.time()
     plan = plan_job(config)
+    planned = time.time()
     store = OutputStore(config.output.path)
     key_column = config.input.id_column or columns.ROW_ID
     if retry_errors:
@@ -144,12 +157,15 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     already = 0 if retry_errors else plan.input.num_rows - todo
     progress.total = todo + already
     progress.start(str(store.path), already=already)
+    parts: list[dict] = []  # this run's part records: counts, replica, times
     with ray_session(config.resources.address, verbose=verbose):
+        ray_ready = time.time()
         _quiet_ray_data(verbose)
         ds = build_dataset(plan, layout, frozenset(done), only_rows)
         if ds is not None:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for record in batch.to_pylist():
+                    parts.append(record)
                     progress.update(record["input_rows"], record["completion_tokens"],
                                     sum(json.loads(record["errors"]).values()))
     progress.finish()
@@ -160,9 +176,14 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         summary.deduped = plan.input.num_rows * config.sampling.n - summary.rows
     summary.rows_resumed = plan.input.num_rows - todo
     summary.seconds = time.time() - started
-    store.commit({"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
-                  "rows_total": plan.input.num_rows,
-                  "config": config.model_dump(mode="json"), "summary": summary.__dict__})
+    record = {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
+              "rows_total": plan.input.num_rows,
+              "config": config.model_dump(mode="json"), "summary": summary.counts()}
+    store.commit(record)
+    summary.report = build_report(store.path, record, parts=parts, timings={
+        "started": started, "planned": planned, "ray_ready": ray_ready,
+        "finished": time.time()})
+    summary.report_path = str(write_report(store.path, summary.report))
     return summary
 
 

@@ -19,6 +19,8 @@ class Progress:
         self.done = self.tokens = self.errors = 0
         self.start_time = self.last_print = 0.0
         self.already = 0
+        self.first = None  # (time, rows, tokens) at the first finished block: rates count
+        # from there, so the engine's start-up does not drag the ETA for the whole night
 
     def start(self, output: str, already: int = 0) -> None:
         self.start_time = self.last_print = time.time()
@@ -27,23 +29,28 @@ class Progress:
                    + (f" (resuming: {already} already written)" if already else ""))
 
     def update(self, rows: int, tokens: int, errors: int) -> None:
+        now = time.time()
         self.done += rows
         self.tokens += tokens
         self.errors += errors
-        now = time.time()
+        if self.first is None:
+            self.first = (now, self.done, self.tokens)
         if now - self.last_print >= self.interval or self.done >= self.total:
             self.last_print = now
             self._emit(self.line(now), redraw=self.tty)
 
     def line(self, now: float) -> str:
         elapsed = max(now - self.start_time, 1e-9)
-        new_rows = self.done - self.already
-        rate = new_rows / elapsed
+        since, rows0, tokens0 = self.first or (self.start_time, self.already, 0)
+        if now - since < 1.0:  # one block so far: all we know is the rate since the start
+            since, rows0, tokens0 = self.start_time, self.already, 0
+        window = max(now - since, 1e-9)
+        rate = (self.done - rows0) / window
         eta = (self.total - self.done) / rate if rate > 0 else float("nan")
         pct = 100.0 * self.done / max(self.total, 1)
-        return (f"rows {self.done}/{self.total} ({pct:.0f}%) | {self.tokens / elapsed:.0f} "
-                f"tok/s out | errors {self.errors} | elapsed {_clock(elapsed)} | "
-                f"eta {_clock(eta)}")
+        return (f"rows {self.done}/{self.total} ({pct:.0f}%) | "
+                f"{(self.tokens - tokens0) / window:.0f} tok/s out | errors {self.errors} | "
+                f"elapsed {_clock(elapsed)} | eta {_clock(eta)}")
 
     def finish(self) -> None:
         if self.enabled and self.tty:

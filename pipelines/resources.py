@@ -35,8 +35,12 @@ def ray_session(address: str | None = None, verbose: bool = False):
         yield
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not verbose:  # Ray's start-up notices and its C++ core's log lines, unless asked for
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+        for name in ("ray", "ray.data"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     ray.init(address=address, include_dashboard=False, log_to_driver=verbose,
-             logging_level=logging.INFO if verbose else logging.WARNING,
+             logging_level=logging.INFO if verbose else logging.ERROR,
              configure_logging=True)
     try:
         yield

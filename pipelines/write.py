@@ -116,7 +116,7 @@ class PartWriter:
                 part = self._merge(start, block.column(columns.ORDINAL), part)
             write_atomically(Path(self.layout.staging) / part_name(start),
                              lambda tmp, part=part: pq.write_table(part, tmp))
-            records.append({"part": part_name(start),
+            records.append({"part": part_name(start), **_timing(block),
                             **count_part(part, self.layout.key_column)})
         return pa.Table.from_pylist(records)
 
@@ -144,6 +144,14 @@ class PartWriter:
                 keep.append(i)
                 seen.add((key, text))
         return part.take(keep) if len(keep) < part.num_rows else part
+
+
+def _timing(block: pa.Table) -> dict:
+    """Which replica generated the block, and when (the predictor's columns)."""
+    first = {name: block.column(name)[0].as_py() if name in block.column_names else None
+             for name in (columns.REPLICA, columns.READY_AT, columns.DONE_AT)}
+    return {"replica": first[columns.REPLICA], "ready_at": first[columns.READY_AT],
+            "done_at": first[columns.DONE_AT], "written_at": time.time()}
 
 
 COUNTED = [columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,

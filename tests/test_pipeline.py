@@ -31,6 +31,7 @@ ROWS[9]["description"] = None
 ROWS[11]["description"] = "word " * 2000
 ROWS[13]["price"] = None
 NULL_ROW, LONG_ROW, TEMPLATE_ROW = "S009", "S011", "S005"
+PRICES = {"input": 0.5, "output": 2.0}
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +42,8 @@ def job(tiny_model, ray_cluster, tmp_path_factory):
         (root / "in" / name).write_text(
             "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     config = load_config(job_config(tiny_model, root / "in", root / "out",
-                                    input={"id_column": "sku"}))
+                                    input={"id_column": "sku"},
+                                    report={"price_per_mtok": PRICES}))
     summary = run_job(config)
     return config, summary, pl.read_parquet(root / "out"), root
 
@@ -130,3 +132,68 @@ def test_greedy_rows_equal_vllm_chat_on_the_same_messages(job, llm):
     reference = llm.chat(conversations, params, use_tqdm=False)
     assert [r.outputs[0].text for r in reference] == ok["rewritten"].to_list()
     assert [len(r.prompt_token_ids) for r in reference] == ok["prompt_tokens"].to_list()
+
+
+# --- the run report, checked against the output it describes ------------------------------
+
+def test_report_numbers_match_the_output(job):
+    config, summary, out, root = job
+    report = json.loads((root / "out.report.json").read_text())
+    assert report == summary.report
+    rows = report["rows"]
+    assert (rows["input"], rows["output"], rows["errors"]) == (len(ROWS), out.height, 2)
+    assert rows["ok"] == out.filter(pl.col("error").is_null()).height == len(ROWS) - 2
+    assert rows["errors_by_kind"] == {
+        ErrorKind.NULL_FIELD: {"count": 1, "examples": [NULL_ROW]},
+        ErrorKind.PROMPT_TOO_LONG: {"count": 1, "examples": [LONG_ROW]}}
+    prompt, output = report["tokens"]["prompt"], report["tokens"]["output"]
+    assert prompt["total"] == out["prompt_tokens"].sum()
+    assert output["total"] == out["completion_tokens"].sum() == summary.completion_tokens
+    lengths = sorted(out["completion_tokens"].drop_nulls())
+    assert output["p50"] in lengths and lengths[0] <= output["p50"] <= output["p95"]
+    assert output["mean"] == pytest.approx(sum(lengths) / len(lengths), abs=0.01)
+    assert output["max"] <= config.sampling.max_tokens
+    assert sum(report["histogram"]["output_tokens"]["counts"]) == len(ROWS) - 2
+    assert report["cost"]["total"] == pytest.approx(
+        prompt["total"] / 1e6 * PRICES["input"] + output["total"] / 1e6 * PRICES["output"])
+    t = report["time"]
+    assert t["startup_s"] + t["generation_s"] + t["finish_s"] == pytest.approx(
+        t["total_s"], abs=0.05)
+    assert 0 < t["generation_s"] < t["total_s"]
+    (replica,) = report["throughput"]["per_replica"]  # one CPU engine
+    assert replica["rows"] == len(ROWS) and replica["output_tokens"] == output["total"]
+    assert replica["gpus"] == [] and replica["node"]
+    assert sum(e["output_tokens"] for e in report["timeline"]) == output["total"]
+    assert report["model"]["name"] == config.model.name
+    assert report["fingerprint"] == json.loads((root / "out.overnight.json").read_text())[
+        "fingerprint_hash"]
+
+
+def test_report_command_prints_it_again_and_renders_html(job):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    _, _, _, root = job
+    html_path = root / "report.html"
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "report", str(root / "out"),
+                             "--html", str(html_path)], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"rows         {len(ROWS)} in -> {len(ROWS)} out: {len(ROWS) - 2} ok" in result.stdout
+    assert f"null_field 1  e.g. {NULL_ROW}" in result.stdout
+    page = html_path.read_text()
+    assert page.count("<svg") == 2 and "Output length" in page and "Throughput" in page
+
+
+def test_report_rebuilt_from_the_output_alone(job):
+    """Without the report file (say a copy of the output), the numbers come from the parts."""
+    from pipelines.report import build_report
+
+    _, summary, _, root = job
+    record = json.loads((root / "out.overnight.json").read_text())
+    rebuilt = build_report(root / "out", record)
+    assert rebuilt["rows"] == summary.report["rows"]
+    assert rebuilt["tokens"] == summary.report["tokens"]
+    assert "time" not in rebuilt

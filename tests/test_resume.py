@@ -108,10 +108,16 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(resume_job, reference):
     assert changed.returncode == 2
     assert "holds an unfinished run of a different job (sampling changed)" in changed.stderr
 
-    resumed = overnight("run", path, "--quiet")
+    resumed = overnight("run", path)  # progress on: stderr is a pipe, as in a log file
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed: {len(written) * BLOCK} rows were written by an earlier run" \
         in resumed.stdout
+    progress = [line for line in resumed.stderr.splitlines() if line.startswith("rows ")]
+    assert progress and "\r" not in resumed.stderr  # plain lines, no carriage returns
+    assert progress[-1].startswith(f"rows {ROWS}/{ROWS} (100%)")
+    assert (
+        f"overnight: {ROWS} rows -> {root / 'killed'} (resuming: {len(written) * BLOCK} "
+        "already written)") in resumed.stderr
     assert_same_output(root / "killed", reference)
     assert not (root / "killed.partial").exists()
 

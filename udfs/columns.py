@@ -23,6 +23,12 @@ GENERATED = (FINISH_REASON, PROMPT_TOKENS, COMPLETION_TOKENS, ERROR_KIND, ERROR)
 ORDINAL = "__overnight_ordinal"
 PROMPT_TOKEN_IDS = "__overnight_prompt_token_ids"
 SEED = "__overnight_seed"
+# Set by the predictor on every row of a block, read by the writer into the part's record (the
+# run report's per-replica and over-time numbers): which replica generated the block, when its
+# engine was ready and when the block's generation finished (Unix seconds).
+REPLICA = "__overnight_replica"
+READY_AT = "__overnight_ready_at"
+DONE_AT = "__overnight_done_at"
 INTERNAL_PREFIX = "__overnight_"
 
 

@@ -7,6 +7,8 @@ the engine as one batch. A request the engine rejects becomes that row's error.
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -47,6 +49,8 @@ class Predictor:
         self.engine = build_engine(engine)
         self.sampling = sampling
         self.output_column = output_column
+        self.replica = replica_label()
+        self.ready_at = time.time()
 
     def _request(self, token_ids: list[int], key, sample: int,
                  max_tokens: int | None) -> GenerationRequest:
@@ -91,7 +95,11 @@ class Predictor:
                                     columns.ERROR_KIND, columns.ERROR])
         if n > 1:
             batch = batch.append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
+        rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
         return (batch
+                .append_column(columns.REPLICA, rows_of(self.replica, pa.string()))
+                .append_column(columns.READY_AT, rows_of(self.ready_at, pa.float64()))
+                .append_column(columns.DONE_AT, rows_of(time.time(), pa.float64()))
                 .append_column(self.output_column, pa.array(text, pa.string()))
                 .append_column(columns.FINISH_REASON, pa.array(finish, pa.string()))
                 .append_column(columns.COMPLETION_TOKENS, pa.array(completion, pa.int64()))
@@ -100,3 +108,16 @@ class Predictor:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def replica_label() -> str:
+    """This replica as the run report names it: node address, actor, accelerators (JSON)."""
+    import ray
+
+    if not ray.is_initialized():
+        return json.dumps({"node": "local", "actor": None, "gpus": []})
+    ctx = ray.get_runtime_context()
+    actor = ctx.get_actor_id()
+    return json.dumps({"node": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id()[:12],
+                       "actor": actor[:12] if actor else None,
+                       "gpus": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]})

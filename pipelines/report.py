@@ -1,0 +1,277 @@
+"""The run report: what a job produced, what failed, how long it took, what it would have cost.
+
+Written at the end of every run as ``OUTPUT.report.json`` beside the output (not inside it: the
+output directory holds Parquet parts only, so that ``pl.read_parquet(OUTPUT)`` reads it), printed
+as a short table, and rendered as a small HTML page by ``overnight report OUTPUT --html FILE``.
+
+Row and token numbers are counted from the committed output itself; times come from the run's
+part records (which replica generated each block, when its engine was ready, when the block was
+done), so a report rebuilt later from the output alone has every number but the times.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from pipelines.errors import OutputError
+from pipelines.write import OutputStore, write_atomically
+from udfs import columns
+from udfs.columns import FinishReason
+
+EXAMPLES = 3  # example ids per error kind
+HISTOGRAM_BINS = 20
+
+
+def report_path(output: str | Path) -> Path:
+    output = Path(output)
+    return output.with_name(output.name + ".report.json")
+
+
+def build_report(output: str | Path, record: dict, *, timings: dict | None = None,
+                 parts: list[dict] | None = None) -> dict:
+    """The report of a committed output. ``record`` is the job record (config, fingerprint);
+    ``timings`` ({started, planned, ray_ready, finished}, Unix seconds) and ``parts`` (this
+    run's part records from the writer) add the time split and the throughput."""
+    import polars as pl
+
+    config = record.get("config", {})
+    key = (config.get("input") or {}).get("id_column") or columns.ROW_ID
+    table = pl.read_parquet(f"{output}/*.parquet", columns=[
+        key, columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
+        columns.COMPLETION_TOKENS])
+    kinds = table.filter(pl.col(columns.ERROR_KIND).is_not_null())
+    errors = {
+        kind: {"count": group.height,
+               "examples": [_plain(v) for v in group[key].head(EXAMPLES).to_list()]}
+        for (kind,), group in sorted(kinds.group_by(columns.ERROR_KIND), key=lambda g: g[0])
+    }
+    skipped = table.filter(pl.col(columns.FINISH_REASON) == FinishReason.SKIPPED).height
+    summary = record.get("summary") or {}
+    report = {
+        "output": str(output),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "fingerprint": record.get("fingerprint_hash"),
+        "model": {**(config.get("model") or {}),
+                  "max_model_len": (record.get("fingerprint") or {}).get("model", {}).get(
+                      "max_model_len"),
+                  "engine": config.get("engine")},
+        "sampling": config.get("sampling"),
+        "rows": {"input": record.get("rows_total"), "output": table.height,
+                 "ok": table.height - kinds.height - skipped, "skipped": skipped,
+                 "errors": kinds.height, "resumed": summary.get("rows_resumed", 0),
+                 "errors_by_kind": errors},
+        "tokens": {"prompt": _stats(table[columns.PROMPT_TOKENS]),
+                   "output": _stats(table[columns.COMPLETION_TOKENS])},
+        "histogram": {"output_tokens": _histogram(table[columns.COMPLETION_TOKENS])},
+    }
+    report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
+    if timings and parts is not None:
+        report.update(_times(timings, parts))
+    return report
+
+
+def _plain(value):
+    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+
+
+def _stats(values) -> dict:
+    values = values.drop_nulls()
+    if values.len() == 0:
+        return {"total": 0, "mean": None, "p50": None, "p95": None, "max": None}
+    return {"total": int(values.sum()), "mean": round(float(values.mean()), 2),
+            "p50": int(values.quantile(0.5, "nearest")),
+            "p95": int(values.quantile(0.95, "nearest")), "max": int(values.max())}
+
+
+def _histogram(values) -> dict:
+    values = values.drop_nulls()
+    if values.len() == 0:
+        return {"edges": [], "counts": []}
+    top = int(values.max()) + 1
+    width = max(1, -(-top // HISTOGRAM_BINS))  # ceil
+    counts = [0] * -(-top // width)
+    for value, n in zip(*(values // width).value_counts(sort=True).to_dict(as_series=False)
+                        .values()):
+        counts[int(value)] = n
+    return {"edges": [i * width for i in range(len(counts) + 1)], "counts": counts}
+
+
+def _cost(prices: dict | None, tokens: dict) -> dict | None:
+    if not prices:
+        return None
+    cost_in = tokens["prompt"]["total"] / 1e6 * prices["input"]
+    cost_out = tokens["output"]["total"] / 1e6 * prices["output"]
+    return {"price_per_mtok": prices, "input": round(cost_in, 6), "output": round(cost_out, 6),
+            "total": round(cost_in + cost_out, 6)}
+
+
+def _times(timings: dict, parts: list[dict]) -> dict:
+    """Start-up vs generation, throughput overall / per replica / over time."""
+    started, finished = timings["started"], timings["finished"]
+    generated = [p for p in parts if p.get("ready_at") is not None]
+    ready = min((p["ready_at"] for p in generated), default=finished)
+    last = max((p["done_at"] for p in generated), default=finished)
+    tokens = sum(p["completion_tokens"] for p in parts)
+    generation = max(last - ready, 1e-9)
+    replicas: dict[str, dict] = defaultdict(lambda: {"rows": 0, "output_tokens": 0, "parts": 0})
+    for p in generated:
+        r = replicas[p["replica"]]
+        r["rows"] += p["rows"]
+        r["output_tokens"] += p["completion_tokens"]
+        r["parts"] += 1
+        r["ready_at"] = min(r.get("ready_at", p["ready_at"]), p["ready_at"])
+        r["last_done_at"] = max(r.get("last_done_at", p["done_at"]), p["done_at"])
+    per_replica = []
+    for label, r in sorted(replicas.items()):
+        where = json.loads(label)
+        busy = max(r.pop("last_done_at") - r.pop("ready_at"), 1e-9)
+        per_replica.append({"node": where.get("node"), "actor": where.get("actor"),
+                            "gpus": where.get("gpus", []), **r, "seconds": round(busy, 2),
+                            "output_tokens_per_s": round(r["output_tokens"] / busy, 1)})
+    timeline = sorted(({"t": round(p["done_at"] - started, 2), "rows": p["rows"],
+                        "output_tokens": p["completion_tokens"]} for p in generated),
+                      key=lambda e: e["t"])
+    return {
+        "time": {"total_s": round(finished - started, 2),
+                 "startup_s": round(ready - started, 2),
+                 "preflight_s": round(timings["planned"] - started, 2),
+                 "ray_start_s": round(timings["ray_ready"] - timings["planned"], 2),
+                 "engine_start_s": round(ready - timings["ray_ready"], 2),
+                 "generation_s": round(generation, 2),
+                 "finish_s": round(finished - last, 2)},
+        "throughput": {"output_tokens": tokens,
+                       "output_tokens_per_s": round(tokens / generation, 1),
+                       "per_replica": per_replica},
+        "timeline": timeline,
+    }
+
+
+def write_report(output: str | Path, report: dict) -> Path:
+    path = report_path(output)
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
+    return path
+
+
+def load_report(output: str) -> dict:
+    """The report written by the run, or one rebuilt from the committed output (no times)."""
+    path = report_path(output)
+    if path.exists():
+        return json.loads(path.read_text())
+    store = OutputStore(output)
+    record = store.read_record()
+    if record is None or record.get("state") != "complete" or not store.path.is_dir():
+        raise OutputError(f"{output!r}: no completed overnight output here (see overnight "
+                          "status)")
+    return build_report(output, record)
+
+
+def report_lines(report: dict) -> list[str]:
+    rows, tok = report["rows"], report["tokens"]
+    model = report.get("model") or {}
+    lines = [f"run report   {report['output']}  (model {model.get('name')}, fingerprint "
+             f"{report.get('fingerprint')})",
+             f"rows         {rows['input']} in -> {rows['output']} out: {rows['ok']} ok, "
+             f"{rows['skipped']} skipped, {rows['errors']} with errors"
+             + (f" ({rows['resumed']} from an earlier run)" if rows.get("resumed") else "")]
+    for kind, e in rows["errors_by_kind"].items():
+        lines.append(f"  {kind:<11}{e['count']}  e.g. {', '.join(map(str, e['examples']))}")
+    for name, label in (("prompt", "tokens in"), ("output", "tokens out")):
+        s = tok[name]
+        lines.append(f"{label:<13}total {s['total']:,}  mean {_num(s['mean'])}  p50 "
+                     f"{_num(s['p50'])}  p95 {_num(s['p95'])}")
+    t = report.get("time")
+    if t:
+        lines.append(f"time         {t['total_s']:.1f} s = start-up {t['startup_s']:.1f} s "
+                     f"(pre-flight {t['preflight_s']:.1f}, Ray {t['ray_start_s']:.1f}, "
+                     f"engines {t['engine_start_s']:.1f}) + generation "
+                     f"{t['generation_s']:.1f} s + finish {t['finish_s']:.1f} s")
+        th = report["throughput"]
+        lines.append(f"throughput   {th['output_tokens_per_s']:,.0f} output tok/s over the "
+                     "generation")
+        for r in th["per_replica"]:
+            gpus = ",".join(r["gpus"]) or "-"
+            lines.append(f"  replica {r['node']} actor {r['actor']} gpus {gpus}: "
+                         f"{r['rows']} rows, {r['output_tokens']:,} tok, "
+                         f"{r['output_tokens_per_s']:,.0f} tok/s")
+    cost = report.get("cost")
+    if cost:
+        p = cost["price_per_mtok"]
+        lines.append(f"hosted cost  ${cost['total']:.4f} at ${p['input']}/${p['output']} per "
+                     f"Mtok in/out (${cost['input']:.4f} + ${cost['output']:.4f})")
+    return lines
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+# --- HTML ----------------------------------------------------------------------------------
+
+def render_html(report: dict) -> str:
+    """One self-contained page: the table above, an output-length histogram and throughput
+    over time, drawn as inline SVG (no script, no network)."""
+    hist = report["histogram"]["output_tokens"]
+    bars = [(f"{lo}-{hi - 1}", n) for lo, hi, n in
+            zip(hist["edges"], hist["edges"][1:], hist["counts"])]
+    charts = [_svg_bars("Output length (tokens per row)", bars, "rows")]
+    timeline = report.get("timeline") or []
+    if timeline:
+        charts.append(_svg_bars("Throughput over time (output tokens/s, per part written)",
+                                _rates(timeline, report["time"]["startup_s"]), "tok/s"))
+    table = "\n".join(html.escape(line) for line in report_lines(report))
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>overnight report: {html.escape(report['output'])}</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; max-width: 60em; }}
+pre {{ background: #f6f6f4; padding: 1em; white-space: pre-wrap; }}
+svg {{ display: block; margin: 1.5em 0; }}
+.bar {{ fill: #4a7ab7; }} .axis {{ stroke: #888; }} text {{ font-size: 11px; fill: #333; }}
+</style></head><body>
+<h1>overnight run report</h1>
+<pre>{table}</pre>
+{''.join(charts)}
+</body></html>
+"""
+
+
+def _rates(timeline: list[dict], startup: float, bins: int = 20) -> list[tuple[str, float]]:
+    """Output tokens/s in equal time slices from the first engine ready to the last part, each
+    part's tokens counted in the slice where it finished."""
+    end = timeline[-1]["t"]
+    width = max((end - startup) / bins, 1e-3)
+    tokens = [0] * bins
+    for entry in timeline:
+        tokens[min(int((entry["t"] - startup) / width), bins - 1)] += entry["output_tokens"]
+    digits = 0 if width >= 1 else 1
+    return [(f"{startup + i * width:.{digits}f}s", n / width) for i, n in enumerate(tokens)]
+
+
+def _svg_bars(title: str, bars: list[tuple[str, float]], unit: str,
+              width: int = 720, height: int = 220) -> str:
+    if not bars:
+        return ""
+    top = max(v for _, v in bars) or 1
+    left, bottom, plot_h = 50, 40, height - 70
+    step = (width - left - 10) / len(bars)
+    parts = [f'<svg width="{width}" height="{height}" role="img" '
+             f'aria-label="{html.escape(title)}">',
+             f'<text x="{left}" y="16" style="font-size:13px">{html.escape(title)}</text>',
+             f'<line class="axis" x1="{left}" y1="{height - bottom}" x2="{width - 10}" '
+             f'y2="{height - bottom}"/>',
+             f'<text x="4" y="34">{top:,.0f} {unit}</text>']
+    label_every = max(1, len(bars) // 10)
+    for i, (label, value) in enumerate(bars):
+        h = plot_h * value / top
+        x = left + i * step
+        parts.append(f'<rect class="bar" x="{x + 1:.1f}" y="{height - bottom - h:.1f}" '
+                     f'width="{max(step - 2, 1):.1f}" height="{h:.1f}">'
+                     f'<title>{html.escape(label)}: {value:,.0f} {unit}</title></rect>')
+        if i % label_every == 0:
+            parts.append(f'<text x="{x + 1:.1f}" y="{height - bottom + 14}">'
+                         f'{html.escape(label)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
