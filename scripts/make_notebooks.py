@@ -1,0 +1,114 @@
+"""Writes notebooks/*.ipynb (without outputs) from the cells below; edit here, run, commit both."""
+import nbformat as nbf
+from nbformat.v4 import new_notebook, new_markdown_cell, new_code_cell
+
+def nb(cells):
+    n = new_notebook()
+    n.cells = [new_markdown_cell(c[1]) if c[0] == "md" else new_code_cell(c[1]) for c in cells]
+    n.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                  "language_info": {"name": "python"}}
+    return n
+
+SETUP = '''from pathlib import Path
+
+import polars as pl
+
+from pipelines import report_lines, run_dataframe
+from pipelines.tiny_model import build_tiny_model
+
+REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+# The tiny offline model (random weights, gibberish output, the real engine). On a GPU box use
+# a real one instead, e.g. MODEL = "Qwen/Qwen2.5-7B-Instruct", and drop the CPU settings below.
+MODEL = str(build_tiny_model(REPO / "models" / "tiny"))
+CPU = {"kv_cache_memory_bytes": 256 << 20}  # on CPU vLLM needs its KV-cache size'''
+
+quick = nb([
+ ("md", "# overnight quickstart: a DataFrame in, a DataFrame out\n\n"
+        "Rewrite product descriptions with a local model. `run_dataframe` runs the same job as "
+        "`overnight run` (Ray Data, one vLLM engine per GPU, every row kept) and returns a "
+        "polars DataFrame: every source column, plus the generated text and, per row, its finish "
+        "reason, token counts and any error.\n\nOn this notebook's default, the tiny offline model "
+        "on CPU, the text is gibberish; the plumbing is the real thing."),
+ ("code", SETUP),
+ ("code", '''products = pl.read_parquet(REPO / "data" / "products.parquet").head(40)
+# One row with a missing description, as real tables have: it will come back with an error.
+broken = products["sku"][3]
+products = products.with_columns(
+    pl.when(pl.col("sku") == broken).then(None).otherwise(pl.col("description")).alias("description"))
+products.select("sku", "title", "description").head(5)'''),
+ ("md", "The job is a dict shaped like a YAML job file; the frame is its input, so `input.path` "
+        "and `output.path` are left out. Rows are data, never code: a `{{ ... }}` inside a "
+        "description stays text."),
+ ("code", '''job = {
+    "input": {"id_column": "sku"},
+    "model": {"name": MODEL, "max_model_len": 1024, "dtype": "float32"},
+    "prompt": {
+        "system": "You are a concise copywriter.",
+        "template": "Rewrite in under 60 words.\\nTitle: {{ title }}\\nDescription: {{ description }}",
+    },
+    "sampling": {"temperature": 0.7, "max_tokens": 48, "seed": 0},
+    "output": {"column": "rewritten"},
+    "engine": CPU,
+    "resources": {"batch_size": 16},
+    "report": {"price_per_mtok": {"input": 0.125, "output": 1.0}},
+}
+rewritten, summary = run_dataframe(products, job, return_summary=True)
+rewritten.select("sku", "title", "rewritten", "finish_reason", "completion_tokens", "error").head(8)'''),
+ ("md", "Every input row comes back, in order; a row that could not run (here, a null "
+        "description) carries its error instead of stopping the job."),
+ ("code", '''assert rewritten["sku"].to_list() == products["sku"].to_list()
+failed = rewritten.filter(pl.col("error").is_not_null())
+assert failed["sku"].to_list() == [broken]
+failed.select("sku", "error_kind", "error")'''),
+ ("md", "## The run report\n\nRows, errors by kind, tokens, where the time went, and what the "
+        "same tokens would have cost on a hosted batch API at the prices in the job. A job run "
+        "with `overnight run` writes it beside its output and `overnight report OUTPUT --html "
+        "report.html` draws it."),
+ ("code", '''print("\\n".join(report_lines(summary.report)))'''),
+])
+
+synth = nb([
+ ("md", "# Synthetic data with structured output\n\n"
+        "Three question-answer pairs per topic, each constrained by a JSON Schema, parsed into a "
+        "typed struct column. Each sample's seed derives from the job seed and the row's id, so "
+        "running it again gives the same data."),
+ ("code", SETUP),
+ ("code", '''topics = pl.DataFrame({
+    "topic_id": ["t1", "t2", "t3", "t4"],
+    "topic": ["photosynthesis", "the French revolution", "prime numbers", "volcanoes"],
+    "level": ["middle school", "high school", "middle school", "primary school"],
+})
+schema = {
+    "type": "object",
+    "properties": {
+        "question": {"type": "string", "maxLength": 80},
+        "answer": {"type": "string", "maxLength": 60},
+        "difficulty": {"enum": ["easy", "medium", "hard"]},
+    },
+    "required": ["question", "answer", "difficulty"],
+    "additionalProperties": False,
+}
+job = {
+    "input": {"id_column": "topic_id"},
+    "model": {"name": MODEL, "max_model_len": 1024, "dtype": "float32"},
+    "prompt": {"system": "You write quiz questions with short, correct answers.",
+               "template": "Write one question a {{ level }} student could answer about "
+                           "{{ topic }}, and its answer."},
+    "sampling": {"temperature": 1.0, "top_p": 0.95, "max_tokens": 120, "n": 3, "seed": 42},
+    "structured": {"json_schema": schema},
+    "output": {"column": "qa_json", "parsed_column": "qa"},
+    "engine": CPU,
+}
+qa, summary = run_dataframe(topics, job, return_summary=True)
+print("\\n".join(summary.notes()))'''),
+ ("md", "One row per sample (`sample_index`), the raw JSON kept in `qa_json` and parsed into the "
+        "struct column `qa`, typed from the schema: unnest it to get plain columns."),
+ ("code", '''assert qa.height == 3 * topics.height
+table = qa.filter(pl.col("error").is_null()).unnest("qa")
+table.select("topic_id", "sample_index", "question", "answer", "difficulty")'''),
+ ("code", '''assert set(table["difficulty"]) <= {"easy", "medium", "hard"}
+print("\\n".join(report_lines(summary.report)))'''),
+])
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+nbf.write(quick, ROOT / "notebooks" / "quickstart.ipynb")
+nbf.write(synth, ROOT / "notebooks" / "synthetic_data.ipynb")
