@@ -6,7 +6,7 @@ Unknown keys are errors that name the key; every error is reported as one line.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -64,6 +64,28 @@ class VLLMEngineConfig(_Strict):
     args: dict[str, Any] = Field(
         default_factory=dict, description="Further keyword arguments passed verbatim to vllm.LLM."
     )
+
+
+class HTTPEngineConfig(_Strict):
+    """Any OpenAI-compatible server as the engine (vllm serve, SGLang, llama.cpp, Ollama)."""
+
+    kind: Literal["http"]
+    base_url: str = Field(description="The server's API root, e.g. http://127.0.0.1:8000/v1.")
+    model: str | None = Field(
+        None, description="The name the server serves the model under; default: model.name "
+        "(which still names the tokenizer, loaded locally to count and check prompts).")
+    endpoint: Literal["completions", "chat"] = Field(
+        "completions", description="completions: send the prompt as token ids, exactly as "
+        "the in-process engine would; chat: send messages, the server applies its template.")
+    api_key_env: str | None = Field(
+        None, description="The environment variable holding the API key (never logged).")
+    max_concurrency: int = Field(64, ge=1, description="Requests in flight per replica.")
+    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
+    max_retries: int = Field(5, ge=0, description="Retries of a connection error, 429 or 5xx.")
+    backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry.")
+
+
+EngineConfig = Annotated[VLLMEngineConfig | HTTPEngineConfig, Field(discriminator="kind")]
 
 
 class PromptConfig(_Strict):
@@ -162,9 +184,16 @@ class JobConfig(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     output: OutputConfig
     structured: StructuredConfig | None = None
-    engine: VLLMEngineConfig = VLLMEngineConfig()
+    engine: EngineConfig = VLLMEngineConfig()
     resources: ResourcesConfig = ResourcesConfig()
     report: ReportConfig = ReportConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_kind_defaults_to_vllm(cls, raw):
+        if isinstance(raw, dict) and isinstance(raw.get("engine"), dict):
+            raw = {**raw, "engine": {"kind": "vllm", **raw["engine"]}}
+        return raw
 
     @model_validator(mode="after")
     def _output_column_free(self) -> JobConfig:
@@ -191,7 +220,10 @@ class JobConfig(_Strict):
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    loc = list(first["loc"])
+    if loc[:1] == ["engine"] and len(loc) > 1 and loc[1] in ("vllm", "http"):
+        del loc[1]  # the union's tag, not a key the user wrote
+    key = ".".join(str(p) for p in loc) or "(top level)"
     if first["type"] == "extra_forbidden":
         what = "unknown key"
     elif first["type"] == "missing":

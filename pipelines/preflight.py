@@ -60,14 +60,15 @@ def plan_job(config: JobConfig) -> JobPlan:
         on_too_long=config.prompt.on_too_long, on_null=config.prompt.on_null,
         trust_remote_code=config.model.trust_remote_code,
         messages_column=config.prompt.messages_column,
+        keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
     )
-    engine_options = {
+    engine_options = (_http_engine_options(config) if config.engine.kind == "http" else {
         "max_model_len": max_model_len,
         "dtype": config.model.dtype,
         "tensor_parallel_size": config.model.tensor_parallel_size,
         "trust_remote_code": config.model.trust_remote_code,
         **config.engine.model_dump(exclude={"kind"}),
-    }
+    })
     s = config.sampling
     sampling = SamplingSpec(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -80,6 +81,40 @@ def plan_job(config: JobConfig) -> JobPlan:
                    engine=EngineSpec(config.engine.kind, config.model.name, engine_options),
                    sampling=sampling, structured=structured,
                    fingerprint=_fingerprint(config, plan, max_model_len, structured))
+
+
+def _http_engine_options(config: JobConfig) -> dict:
+    """The server must be up and serve the model, now, not hours into the job."""
+    import os
+
+    import httpx
+
+    from udfs.http_engine import Secret, list_models
+
+    engine = config.engine
+    api_key = None
+    if engine.api_key_env:
+        api_key = os.environ.get(engine.api_key_env)
+        if not api_key:
+            raise ConfigError(f"engine.api_key_env: the environment variable "
+                              f"{engine.api_key_env!r} is not set")
+    served = engine.model or config.model.name
+    try:
+        models = list_models(engine.base_url, api_key)
+    except httpx.HTTPStatusError as exc:
+        raise JobError(f"engine.base_url {engine.base_url}: GET /models answered "
+                       f"{exc.response.status_code}"
+                       + (" (check the API key)" if exc.response.status_code in (401, 403)
+                          else "")) from None
+    except (httpx.HTTPError, ValueError) as exc:
+        raise JobError(f"engine.base_url {engine.base_url}: cannot reach the server "
+                       f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
+    if served not in models:
+        raise JobError(f"engine.model {served!r} is not served at {engine.base_url}; it "
+                       f"serves: {', '.join(map(str, models)) or 'nothing'}")
+    return {**engine.model_dump(exclude={"kind", "model", "api_key_env"}),
+            "served_model": served, "api_key": Secret(api_key) if api_key else None,
+            "served_models": models}
 
 
 def _structured(config: JobConfig) -> StructuredSpec | None:

@@ -55,6 +55,8 @@ def plan_replicas(config: JobConfig) -> ReplicaPlan:
     gpus, cpus = int(total.get("GPU", 0)), total.get("CPU", 0)
     tp = config.model.tensor_parallel_size
     wanted = config.resources.replicas
+    if config.engine.kind == "http":  # a replica is an HTTP client: no GPU, a sliver of CPU
+        return ReplicaPlan(1 if wanted == "auto" else wanted, 0, LIGHT_STAGE_CPUS)
     if gpus == 0:
         if tp > 1:
             raise JobError(f"model.tensor_parallel_size {tp} needs GPUs; the Ray cluster has none")

@@ -39,6 +39,10 @@ class ValidationReport:
                f"{len(p.input.blocks)} blocks of up to {p.config.resources.batch_size}",
                f"model: {p.config.model.name} (max_model_len {p.render.max_model_len}, "
                f"max_tokens {p.render.max_tokens})"]
+        if p.engine.kind == "http":
+            o = p.engine.options
+            out.append(f"server: {o['base_url']} serves {', '.join(o['served_models'])}; "
+                       f"the job uses {o['served_model']!r} ({o['endpoint']} endpoint)")
         if self.lengths:
             out.append("prompt tokens: " + ", ".join(
                 f"p{int(q * 100)} {self.percentile(q)}" for q in (0.5, 0.9, 0.99))

@@ -22,6 +22,7 @@ GENERATED = (FINISH_REASON, PROMPT_TOKENS, COMPLETION_TOKENS, ERROR_KIND, ERROR)
 # and names the parts, so a resumed job knows which rows are done without reading them.
 ORDINAL = "__overnight_ordinal"
 PROMPT_TOKEN_IDS = "__overnight_prompt_token_ids"
+PROMPT_MESSAGES = "__overnight_prompt_messages"  # JSON; only for an engine that wants them
 SEED = "__overnight_seed"
 # Set by the predictor on every row of a block, read by the writer into the part's record (the
 # run report's per-replica and over-time numbers): which replica generated the block, when its

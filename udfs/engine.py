@@ -34,6 +34,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     # Constrained decoding: {"json": schema} | {"choice": [...]} | {"regex": "..."}
     structured: dict | None = None
+    # The same prompt as chat messages, for an engine that applies the chat template itself
+    messages: list[dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Engine(Protocol):
 # kind -> "module:Class"; imported only when an engine of that kind is built.
 ENGINES = {
     "vllm": "udfs.vllm_engine:VLLMEngine",
+    "http": "udfs.http_engine:HTTPEngine",
 }
 
 

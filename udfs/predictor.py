@@ -52,8 +52,8 @@ class Predictor:
         self.replica = replica_label()
         self.ready_at = time.time()
 
-    def _request(self, token_ids: list[int], key, sample: int,
-                 max_tokens: int | None) -> GenerationRequest:
+    def _request(self, token_ids: list[int], key, sample: int, max_tokens: int | None,
+                 messages: str | None) -> GenerationRequest:
         s = self.sampling
         cap = s.max_tokens if max_tokens is None else max(1, min(max_tokens, s.max_tokens))
         return GenerationRequest(
@@ -63,6 +63,7 @@ class Predictor:
             seed=row_seed(s.seed, key, sample) if s.temperature > 0 else None,
             stop=s.stop, ignore_eos=s.ignore_eos,
             structured=s.structured,
+            messages=json.loads(messages) if messages is not None else None,
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -76,9 +77,11 @@ class Predictor:
         keys = batch.column(self.sampling.key_column).to_pylist()
         caps = (batch.column(self.sampling.max_tokens_column).to_pylist()
                 if self.sampling.max_tokens_column else [None] * batch.num_rows)
+        messages = (batch.column(columns.PROMPT_MESSAGES).to_pylist()
+                    if columns.PROMPT_MESSAGES in batch.column_names else [None] * batch.num_rows)
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
         results = self.engine.generate([self._request(token_ids[i], keys[i], samples[i],
-                                                      caps[i]) for i in todo])
+                                                      caps[i], messages[i]) for i in todo])
 
         rows = batch.num_rows
         text, completion = [None] * rows, [None] * rows
@@ -91,8 +94,9 @@ class Predictor:
                 continue
             text[i], finish[i], completion[i] = (result.text, result.finish_reason,
                                                  result.completion_tokens)
-        batch = batch.drop_columns([columns.PROMPT_TOKEN_IDS, columns.FINISH_REASON,
-                                    columns.ERROR_KIND, columns.ERROR])
+        batch = batch.drop_columns([c for c in (columns.PROMPT_TOKEN_IDS, columns.PROMPT_MESSAGES,
+                                                columns.FINISH_REASON, columns.ERROR_KIND,
+                                                columns.ERROR) if c in batch.column_names])
         if n > 1:
             batch = batch.append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
         rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731

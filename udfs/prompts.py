@@ -8,6 +8,7 @@ only ever inserted as data: a value holding ``{{ ... }}`` stays literal text.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -51,6 +52,9 @@ class RenderSpec:
     on_null: str = "error"
     trust_remote_code: bool = False
     messages_column: str | None = None  # instead of a template: the row's chat messages
+    # Also keep each row's chat messages (JSON), for an engine that applies the chat template
+    # itself (the HTTP engine's chat endpoint); the token ids still decide length and errors.
+    keep_messages: bool = False
 
 
 def _messages(value) -> list[dict]:
@@ -87,7 +91,7 @@ class PromptRenderer:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         values = {name: batch.column(name).to_pylist() for name in self.variables}
-        token_ids, lengths, reasons, kinds, errors = [], [], [], [], []
+        token_ids, lengths, reasons, kinds, errors, messages = [], [], [], [], [], []
         for i in range(batch.num_rows):
             row = {name: values[name][i] for name in self.variables}
             ids, length, reason, kind, error = self.render_row(row)
@@ -96,6 +100,11 @@ class PromptRenderer:
             reasons.append(reason)
             kinds.append(kind)
             errors.append(error)
+            if self.spec.keep_messages:
+                messages.append(json.dumps(self.render_messages(self._fill(row)))
+                                if ids is not None else None)
+        if self.spec.keep_messages:
+            batch = batch.append_column(columns.PROMPT_MESSAGES, pa.array(messages, pa.string()))
         return (batch
                 .append_column(columns.PROMPT_TOKEN_IDS, pa.array(token_ids, pa.list_(pa.int32())))
                 .append_column(columns.PROMPT_TOKENS, pa.array(lengths, pa.int64()))
@@ -103,19 +112,27 @@ class PromptRenderer:
                 .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
                 .append_column(columns.ERROR, pa.array(errors, pa.string())))
 
-    def render_text(self, row: dict) -> str:
-        """The prompt as the engine will see it, before tokenization."""
+    def render_messages(self, row: dict) -> list[dict]:
+        """The row as chat messages: the system message, then the rendered template (or the
+        row's own messages)."""
         if self.template is None:
             messages = _messages(row[self.spec.messages_column])
         else:
-            user = self.template.render(**row)
-            if not self.use_chat:
-                return user
-            messages = [{"role": "user", "content": user}]
+            messages = [{"role": "user", "content": self.template.render(**row)}]
         if self.spec.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.spec.system})
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+        return messages
+
+    def render_text(self, row: dict) -> str:
+        """The prompt as the engine will see it, before tokenization."""
+        if self.template is not None and not self.use_chat:
+            return self.template.render(**row)
+        return self.tokenizer.apply_chat_template(self.render_messages(row), tokenize=False,
                                                   add_generation_prompt=True)
+
+    def _fill(self, row: dict) -> dict:
+        """on_null: empty -> nulls as empty strings (render_row has refused them otherwise)."""
+        return {k: ("" if v is None else v) for k, v in row.items()}
 
     def tokenize(self, text: str) -> list[int]:
         # A chat template writes its own special tokens (BOS...): adding them again would
@@ -130,7 +147,7 @@ class PromptRenderer:
             if self.spec.on_null == "error":
                 return (None, None, None, ErrorKind.NULL_FIELD,
                         f"column {nulls[0]!r} is null in this row")
-            row = {k: ("" if v is None else v) for k, v in row.items()}
+            row = self._fill(row)
         try:
             ids = self.tokenize(self.render_text(row))
         except Exception as exc:  # a template error on this row's values: the row's problem

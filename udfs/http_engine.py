@@ -1,0 +1,192 @@
+"""An engine that is a server: any OpenAI-compatible endpoint (vllm serve, SGLang, llama.cpp's
+server, Ollama), driven by an async client that keeps many requests in flight.
+
+The replica's requests from every block share one limit, ``max_concurrency``, so the server's
+own continuous batching stays full across block boundaries, as the in-process engine's does. A
+connection error, a timeout, a 429 or a 5xx is retried with exponential backoff and jitter
+(honouring ``Retry-After``); any other 4xx is that row's error, with the server's message; a
+request that exhausts its retries is a row error too, and the job goes on.
+
+With ``endpoint: completions`` (the default) the prompt is sent as the token ids the renderer
+made, so the server generates from exactly the tokens the in-process engine would; with
+``endpoint: chat`` the rendered messages are sent and the server applies its chat template
+(for servers that take no token ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import httpx
+
+from udfs.engine import EngineSpec, GenerationRequest, GenerationResult
+
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+MAX_BACKOFF_S = 30.0
+
+
+class Secret(str):
+    """A string that does not show itself in a repr, a log line or a traceback."""
+
+    def __repr__(self) -> str:
+        return "'<secret>'"
+
+
+@dataclass(frozen=True)
+class HTTPOptions:
+    base_url: str
+    model: str  # the name the server serves the model under
+    endpoint: str = "completions"  # or "chat"
+    api_key: Secret | None = None
+    max_concurrency: int = 64
+    timeout_s: float = 600.0
+    max_retries: int = 5
+    backoff_s: float = 1.0
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> HTTPOptions:
+        o = spec.options
+        return cls(base_url=o["base_url"].rstrip("/"), model=o.get("served_model") or spec.model,
+                   endpoint=o.get("endpoint", "completions"), api_key=o.get("api_key"),
+                   max_concurrency=o.get("max_concurrency", 64),
+                   timeout_s=o.get("timeout_s", 600.0), max_retries=o.get("max_retries", 5),
+                   backoff_s=o.get("backoff_s", 1.0))
+
+
+def headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def request_body(options: HTTPOptions, r: GenerationRequest) -> dict:
+    """The OpenAI request for one GenerationRequest; vLLM's extensions only when used."""
+    body: dict = {"model": options.model, "max_tokens": r.max_tokens,
+                  "temperature": r.temperature, "top_p": r.top_p}
+    if options.endpoint == "chat":
+        body["messages"] = r.messages
+    else:
+        body["prompt"] = r.prompt_token_ids
+    if r.seed is not None:
+        body["seed"] = r.seed
+    if r.stop:
+        body["stop"] = list(r.stop)
+    if r.top_k is not None:
+        body["top_k"] = r.top_k
+    if r.min_tokens:
+        body["min_tokens"] = r.min_tokens
+    if r.ignore_eos:
+        body["ignore_eos"] = True
+    structured = r.structured or {}
+    if "json" in structured:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": structured["json"]}}
+    elif structured:  # choice / regex: vLLM's structured_outputs extension
+        body["structured_outputs"] = structured
+    return body
+
+
+def parse_response(endpoint: str, data: dict) -> GenerationResult:
+    choice = data["choices"][0]
+    text = choice["message"].get("content") if endpoint == "chat" else choice["text"]
+    usage = data.get("usage") or {}
+    return GenerationResult(text=text or "", finish_reason=choice.get("finish_reason"),
+                            completion_tokens=usage.get("completion_tokens"))
+
+
+def server_message(response: httpx.Response) -> str:
+    """The server's own words for a failed request, on one line."""
+    try:
+        error = response.json()
+        error = error.get("error", error) if isinstance(error, dict) else error
+        text = error.get("message", error) if isinstance(error, dict) else error
+    except ValueError:
+        text = response.text
+    return " ".join(str(text).split())[:300] or response.reason_phrase
+
+
+def retry_delay(attempt: int, base: float, response: httpx.Response | None = None) -> float:
+    """Retry-After when the server gives one in seconds, else exponential backoff with jitter."""
+    if response is not None:
+        after = response.headers.get("retry-after")
+        try:
+            return min(max(float(after), 0.0), MAX_BACKOFF_S)
+        except (TypeError, ValueError):
+            pass
+    return min(base * 2 ** attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.5)
+
+
+class HTTPEngine:
+    """The ``Engine`` interface over HTTP. Thread-safe: the predictor's concurrent calls each
+    hand their requests to one event loop, in a thread of its own, that owns the client."""
+
+    def __init__(self, spec: EngineSpec):
+        self.options = HTTPOptions.from_spec(spec)
+        self.url = f"{self.options.base_url}/" + (
+            "chat/completions" if self.options.endpoint == "chat" else "completions")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="overnight-http",
+                                       daemon=True)
+        self.thread.start()
+        self.client, self.slots = self._call(self._open())
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    async def _open(self):
+        limit = self.options.max_concurrency
+        client = httpx.AsyncClient(
+            headers=headers(self.options.api_key),
+            timeout=httpx.Timeout(self.options.timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
+        return client, asyncio.Semaphore(limit)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        return self._call(self._generate(requests))
+
+    async def _generate(self, requests):
+        return await asyncio.gather(*(self._one(r) for r in requests))
+
+    async def _one(self, request: GenerationRequest) -> GenerationResult:
+        body = request_body(self.options, request)
+        last = "no attempt"
+        for attempt in range(self.options.max_retries + 1):
+            response = None
+            async with self.slots:
+                try:
+                    response = await self.client.post(self.url, json=body)
+                except httpx.TransportError as exc:  # connection refused/reset, timeouts
+                    last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if response is not None:
+                if response.status_code == 200:
+                    try:
+                        return parse_response(self.options.endpoint, response.json())
+                    except (ValueError, KeyError, IndexError, TypeError) as exc:
+                        return _failed(f"unreadable response from the server: {exc!r}"[:300])
+                last = f"HTTP {response.status_code}: {server_message(response)}"
+                if response.status_code not in RETRY_STATUS:
+                    return _failed(last)
+            if attempt < self.options.max_retries:
+                await asyncio.sleep(retry_delay(attempt, self.options.backoff_s, response))
+        return _failed(f"gave up after {self.options.max_retries} retries; last: {last}")
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self._call(self.client.aclose())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+def _failed(message: str) -> GenerationResult:
+    return GenerationResult(text=None, finish_reason=None, completion_tokens=None,
+                            error=message)
+
+
+def list_models(base_url: str, api_key: str | None, timeout: float = 10.0) -> list[str]:
+    """The model names a server serves (GET /models); raises httpx errors as they come."""
+    response = httpx.get(f"{base_url.rstrip('/')}/models", headers=headers(api_key),
+                         timeout=timeout)
+    response.raise_for_status()
+    return [m.get("id") for m in response.json().get("data", [])]
