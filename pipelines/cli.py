@@ -40,6 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a job without starting an engine")
     _config_args(validate)
 
+    batch = sub.add_parser("batch", help="run an OpenAI Batch API request file")
+    batch.add_argument("requests", help="the request file (.jsonl, one request a line)")
+    batch.add_argument("-o", "--output", required=True, help="the result file to write")
+    batch.add_argument("-e", "--errors", help="the error file (default: OUTPUT's name with "
+                       ".errors.jsonl)")
+    batch.add_argument("--model", required=True,
+                       help="the local model every request runs on, whatever model it names")
+    batch.add_argument("--config", help="a YAML file with engine, model, sampling, resources "
+                       "settings (no input, prompt or output)")
+    batch.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a setting, e.g. "
+                       "--set engine.kv_cache_memory_bytes=268435456")
+    batch.add_argument("--overwrite", action="store_true",
+                       help="replace existing result files and run every request again")
+    batch.add_argument("--quiet", action="store_true", help="no progress line")
+
     status = sub.add_parser("status", help="how far a job got: rows done, left, errors")
     status.add_argument("output", help="the job's output.path")
 
@@ -66,6 +82,20 @@ def cmd_run(args) -> int:
     for line in [*report_lines(summary.report), *summary.notes()]:
         print(line)
     print(f"output: {summary.output}  (report: {summary.report_path})")
+    return 0
+
+
+def cmd_batch(args) -> int:
+    from pipelines.batch import run_batch_file
+    from pipelines.progress import Progress
+
+    counts = run_batch_file(args.requests, args.output, errors=args.errors, model=args.model,
+                            config=args.config, overrides=args.overrides,
+                            overwrite=args.overwrite,
+                            progress=Progress(total=0, enabled=not args.quiet))
+    print(f"requests: {counts['requests']} lines -> {counts['results']} results, "
+          f"{counts['errors']} errors ({counts['rejected_lines']} could not run)")
+    print(f"results: {counts['results_path']}\nerrors: {counts['errors_path']}")
     return 0
 
 
@@ -106,7 +136,7 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "status": cmd_status,
+COMMANDS = {"run": cmd_run, "batch": cmd_batch, "validate": cmd_validate, "status": cmd_status,
             "report": cmd_report, "tiny-model": cmd_tiny_model}
 
 

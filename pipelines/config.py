@@ -94,7 +94,9 @@ class PromptConfig(_Strict):
     )
     messages_column: str | None = Field(
         None, description="Instead of a template: a column holding each row's chat "
-        "messages, a list of {role, content}, for conversations assembled upstream.")
+        "messages, a list of {role, content} (or that list as a JSON string), for "
+        "conversations assembled upstream; a plain string there is a raw prompt, sent "
+        "without the chat template.")
     system: str | None = Field(None, description="System message (chat models).")
     chat: bool = Field(True, description="Apply the model's chat template when it has one.")
     on_too_long: Literal["error", "skip", "truncate"] = Field(
@@ -121,6 +123,9 @@ class SamplingConfig(_Strict):
     max_tokens_column: str | None = Field(
         None, description="A column holding each row's own max_tokens (at most max_tokens; "
         "null: max_tokens).")
+    overrides_column: str | None = Field(
+        None, description="A column of JSON objects overriding sampling per row: "
+        "temperature, top_p, seed, stop, n, json_schema (Batch files use it).")
     n: int = Field(1, ge=1, description="Samples per input row: one output row each, with a "
                    "sample_index; each sample's seed derives from the job seed and the row id.")
     min_tokens: int = Field(0, ge=0)
@@ -211,7 +216,7 @@ class JobConfig(_Strict):
         added = [self.output.column, *columns.GENERATED]
         if self.structured is not None and self.structured.json_schema is not None:
             added.insert(1, self.output.parsed_column)
-        if self.sampling.n > 1:
+        if self.sampling.n > 1 or self.sampling.overrides_column:
             added.insert(0, columns.SAMPLE_INDEX)
         if self.input.id_column is None:
             added.insert(0, columns.ROW_ID)

@@ -61,6 +61,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         trust_remote_code=config.model.trust_remote_code,
         messages_column=config.prompt.messages_column,
         keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
+        max_tokens_column=config.sampling.max_tokens_column,
     )
     engine_options = (_http_engine_options(config) if config.engine.kind == "http" else {
         "max_model_len": max_model_len,
@@ -75,7 +76,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
         key_column=config.input.id_column or columns.ORDINAL,
         structured=structured.engine_params() if structured else None, n=s.n,
-        max_tokens_column=s.max_tokens_column,
+        max_tokens_column=s.max_tokens_column, overrides_column=s.overrides_column,
     )
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(config.engine.kind, config.model.name, engine_options),
@@ -170,10 +171,11 @@ def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> 
             shown = ", ".join(repr(d) for d in dupes[:5])
             raise InputError(f"input.id_column {id_column!r} is not unique: {len(dupes)} "
                              f"value(s) repeat, e.g. {shown}")
-    cap = config.sampling.max_tokens_column
-    if cap is not None and cap not in names:
-        raise InputError(f"sampling.max_tokens_column {cap!r} is not a column of the input; "
-                         f"its columns are: {', '.join(names)}")
+    for key in ("max_tokens_column", "overrides_column"):
+        column = getattr(config.sampling, key)
+        if column is not None and column not in names:
+            raise InputError(f"sampling.{key} {column!r} is not a column of the input; "
+                             f"its columns are: {', '.join(names)}")
     clashes = [c for c in config.generated_columns() if c in names]
     if clashes:
         hint = (" (name your id column in input.id_column)" if clashes[0] == columns.ROW_ID
@@ -198,15 +200,28 @@ def _resolve_model(config: JobConfig) -> int:
     if config.prompt.messages_column and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"prompt.messages_column needs a chat model; {name!r} has no "
                           "chat template")
-    if config.model.max_model_len is not None:
-        return config.model.max_model_len
+    return resolve_max_model_len(name, config.model.max_model_len,
+                                 config.model.trust_remote_code, tokenizer)
+
+
+def resolve_max_model_len(name: str, max_model_len: int | None = None,
+                          trust_remote_code: bool = False, tokenizer=None) -> int:
+    """The model's context length: as configured, else from its config or tokenizer."""
+    if max_model_len is not None:
+        return max_model_len
     try:
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(name, trust_remote_code=config.model.trust_remote_code)
+        hf = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         length = getattr(hf, "max_position_embeddings", None)
     except Exception:
         length = None
+    if not length and tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(name, trust_remote_code)
+        except Exception as exc:
+            raise JobError(f"model {name!r}: cannot load it: "
+                           f"{' '.join(str(exc).split())[:300]}") from None
     length = length or getattr(tokenizer, "model_max_length", None)
     if not length or length > 10_000_000:
         raise ConfigError(f"model.max_model_len: cannot tell {name!r}'s context length; set it")

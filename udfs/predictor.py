@@ -34,6 +34,8 @@ class SamplingSpec:
     structured: dict | None = None  # see GenerationRequest.structured
     n: int = 1  # samples per row: the output has n rows per input row
     max_tokens_column: str | None = None  # each row's own cap, at most max_tokens
+    # A column of JSON objects: this row's temperature, top_p, seed, stop, n, json_schema
+    overrides_column: str | None = None
 
 
 def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
@@ -53,24 +55,35 @@ class Predictor:
         self.ready_at = time.time()
 
     def _request(self, token_ids: list[int], key, sample: int, max_tokens: int | None,
-                 messages: str | None) -> GenerationRequest:
+                 messages: str | None, overrides: dict) -> GenerationRequest:
         s = self.sampling
         cap = s.max_tokens if max_tokens is None else max(1, min(max_tokens, s.max_tokens))
+        temperature = overrides.get("temperature", s.temperature)
+        seed = overrides.get("seed")
+        if seed is not None:  # the request's own seed: each sample a different one
+            seed = (seed + sample) & 0x7FFFFFFF
+        elif temperature > 0:  # greedy needs no seed, and an unseeded request is cheaper
+            seed = row_seed(s.seed, key, sample)
+        schema = overrides.get("json_schema")
         return GenerationRequest(
-            prompt_token_ids=token_ids, max_tokens=cap, temperature=s.temperature,
-            top_p=s.top_p, top_k=s.top_k, min_tokens=s.min_tokens,
-            # greedy needs no seed, and an unseeded request skips its own generator
-            seed=row_seed(s.seed, key, sample) if s.temperature > 0 else None,
-            stop=s.stop, ignore_eos=s.ignore_eos,
-            structured=s.structured,
+            prompt_token_ids=token_ids, max_tokens=cap, temperature=temperature,
+            top_p=overrides.get("top_p", s.top_p), top_k=s.top_k, min_tokens=s.min_tokens,
+            seed=seed, stop=tuple(overrides.get("stop", s.stop)), ignore_eos=s.ignore_eos,
+            structured={"json": schema} if schema is not None else s.structured,
             messages=json.loads(messages) if messages is not None else None,
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        n = self.sampling.n
-        if n > 1:  # one row per sample: the source columns repeated
-            samples = list(range(n)) * batch.num_rows
-            batch = batch.take([i for i in range(batch.num_rows) for _ in range(n)])
+        overrides = [json.loads(o) if o else {} for o in (
+            batch.column(self.sampling.overrides_column).to_pylist()
+            if self.sampling.overrides_column else [None] * batch.num_rows)]
+        ns = [o.get("n", self.sampling.n) for o in overrides]
+        expand = any(n != 1 for n in ns) or self.sampling.overrides_column is not None
+        if expand:  # one row per sample: the source columns repeated
+            samples = [k for n in ns for k in range(n)]
+            take = [i for i, n in enumerate(ns) for _ in range(n)]
+            batch = batch.take(take)
+            overrides = [overrides[i] for i in take]
         else:
             samples = [0] * batch.num_rows
         token_ids = batch.column(columns.PROMPT_TOKEN_IDS).to_pylist()
@@ -81,7 +94,8 @@ class Predictor:
                     if columns.PROMPT_MESSAGES in batch.column_names else [None] * batch.num_rows)
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
         results = self.engine.generate([self._request(token_ids[i], keys[i], samples[i],
-                                                      caps[i], messages[i]) for i in todo])
+                                                      caps[i], messages[i], overrides[i])
+                                        for i in todo])
 
         rows = batch.num_rows
         text, completion = [None] * rows, [None] * rows
@@ -97,7 +111,7 @@ class Predictor:
         batch = batch.drop_columns([c for c in (columns.PROMPT_TOKEN_IDS, columns.PROMPT_MESSAGES,
                                                 columns.FINISH_REASON, columns.ERROR_KIND,
                                                 columns.ERROR) if c in batch.column_names])
-        if n > 1:
+        if expand:
             batch = batch.append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
         rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
         return (batch

@@ -55,10 +55,24 @@ class RenderSpec:
     # Also keep each row's chat messages (JSON), for an engine that applies the chat template
     # itself (the HTTP engine's chat endpoint); the token ids still decide length and errors.
     keep_messages: bool = False
+    max_tokens_column: str | None = None  # a row's own max_tokens: its prompt may use the rest
+
+
+def _decoded(value):
+    """A messages-column value: a list of messages, or a string holding JSON (a list of
+    messages, or a string: a raw prompt), or any other string: a raw prompt."""
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            return value
+        return decoded if isinstance(decoded, (list, str)) else value
+    return value
 
 
 def _messages(value) -> list[dict]:
     """A row's messages column as chat messages; ValueError (a row error) if it is not."""
+    value = _decoded(value)
     if not isinstance(value, list) or not value:
         raise ValueError("the messages column must hold a non-empty list of {role, content}")
     out = []
@@ -91,10 +105,12 @@ class PromptRenderer:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         values = {name: batch.column(name).to_pylist() for name in self.variables}
+        caps = (batch.column(self.spec.max_tokens_column).to_pylist()
+                if self.spec.max_tokens_column else [None] * batch.num_rows)
         token_ids, lengths, reasons, kinds, errors, messages = [], [], [], [], [], []
         for i in range(batch.num_rows):
             row = {name: values[name][i] for name in self.variables}
-            ids, length, reason, kind, error = self.render_row(row)
+            ids, length, reason, kind, error = self.render_row(row, caps[i])
             token_ids.append(ids)
             lengths.append(length)
             reasons.append(reason)
@@ -115,6 +131,9 @@ class PromptRenderer:
     def render_messages(self, row: dict) -> list[dict]:
         """The row as chat messages: the system message, then the rendered template (or the
         row's own messages)."""
+        raw = self.raw_prompt(row)
+        if raw is not None:
+            return [{"role": "user", "content": raw}]
         if self.template is None:
             messages = _messages(row[self.spec.messages_column])
         else:
@@ -123,10 +142,21 @@ class PromptRenderer:
             messages.insert(0, {"role": "system", "content": self.spec.system})
         return messages
 
+    def raw_prompt(self, row: dict) -> str | None:
+        """A row whose messages column holds a plain string: a raw prompt, no chat template."""
+        if self.template is None:
+            value = _decoded(row[self.spec.messages_column])
+            if isinstance(value, str):
+                return value
+        elif not self.use_chat:
+            return self.template.render(**row)
+        return None
+
     def render_text(self, row: dict) -> str:
         """The prompt as the engine will see it, before tokenization."""
-        if self.template is not None and not self.use_chat:
-            return self.template.render(**row)
+        raw = self.raw_prompt(row)
+        if raw is not None:
+            return raw
         return self.tokenizer.apply_chat_template(self.render_messages(row), tokenize=False,
                                                   add_generation_prompt=True)
 
@@ -134,14 +164,17 @@ class PromptRenderer:
         """on_null: empty -> nulls as empty strings (render_row has refused them otherwise)."""
         return {k: ("" if v is None else v) for k, v in row.items()}
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, chat: bool) -> list[int]:
         # A chat template writes its own special tokens (BOS...): adding them again would
         # change the prompt from what vLLM's chat path sends.
-        return self.tokenizer.encode(text, add_special_tokens=not self.use_chat)
+        return self.tokenizer.encode(text, add_special_tokens=not chat)
 
-    def render_row(self, row: dict):
+    def render_row(self, row: dict, max_tokens: int | None = None):
         """-> (token ids to generate from or None, prompt length, finish_reason, error_kind,
-        error) for one row."""
+        error) for one row; ``max_tokens``: the row's own, when lower than the job's."""
+        budget = self.budget
+        if max_tokens is not None:
+            budget = self.spec.max_model_len - max(1, min(max_tokens, self.spec.max_tokens))
         nulls = [name for name, value in row.items() if value is None]
         if nulls:
             if self.spec.on_null == "error":
@@ -149,17 +182,17 @@ class PromptRenderer:
                         f"column {nulls[0]!r} is null in this row")
             row = self._fill(row)
         try:
-            ids = self.tokenize(self.render_text(row))
+            ids = self.tokenize(self.render_text(row), chat=self.raw_prompt(row) is None)
         except Exception as exc:  # a template error on this row's values: the row's problem
             return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
-        if len(ids) <= self.budget:
+        if len(ids) <= budget:
             return ids, len(ids), None, None, None
-        if self.spec.on_too_long == "truncate" and self.budget > 0:
-            head = self.budget // 2
-            ids = ids[:head] + ids[len(ids) - (self.budget - head):]
+        if self.spec.on_too_long == "truncate" and budget > 0:
+            head = budget // 2
+            ids = ids[:head] + ids[len(ids) - (budget - head):]
             return ids, len(ids), None, None, None
         if self.spec.on_too_long == "skip":
             return None, len(ids), FinishReason.SKIPPED, None, None
         return None, len(ids), None, ErrorKind.PROMPT_TOO_LONG, (
             f"prompt has {len(ids)} tokens; max_model_len {self.spec.max_model_len} "
-            f"- max_tokens {self.spec.max_tokens} leaves {self.budget}")
+            f"- max_tokens {self.spec.max_model_len - budget} leaves {budget}")

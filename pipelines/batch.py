@@ -1,0 +1,401 @@
+"""OpenAI Batch files: a request file in, a result file and an error file out.
+
+``overnight batch requests.jsonl -o results.jsonl`` runs a file written for the hosted Batch API
+on the same pipeline as every other job:
+
+1. ``prepare``: the file is read one line at a time; each line is checked (JSON, ``custom_id``,
+   ``method``, ``url``, ``body``) and a runnable request becomes one row of a Parquet table of
+   requests (messages or prompt, its own max_tokens and sampling as JSON). A line that cannot
+   run goes to the error file instead, with its line number, ``custom_id`` when one could be
+   read, a ``code`` and a ``message``. A repeated ``custom_id`` runs once; the repeat is an error.
+2. the job: that table through Ray Data and the engine, like any table (resumable: the table and
+   the job's parts live in a work directory beside the result file, ``RESULTS.overnight/``).
+3. ``write_results``: the job's Parquet parts, in input order, become result lines in the Batch
+   output format; rows that failed (a prompt too long, an engine error) join the error file.
+
+Every input line with a readable ``custom_id`` ends in exactly one of the two files. Both are
+written to temporary names and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipelines.config import JobConfig, apply_overrides, load_config
+from pipelines.errors import ConfigError, InputError, OutputError
+from pipelines.write import write_atomically
+from udfs import columns
+
+URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+CHUNK = 10_000  # requests per row group of the prepared table: memory stays flat
+
+# Columns of the prepared table of requests.
+CUSTOM_ID, LINE, KIND, PROMPT, MAX_TOKENS, OVERRIDES, MODEL = (
+    "custom_id", "line", "kind", "prompt", "max_tokens", "overrides", "model")
+SCHEMA = pa.schema([(CUSTOM_ID, pa.string()), (LINE, pa.int64()), (KIND, pa.string()),
+                    (PROMPT, pa.string()), (MAX_TOKENS, pa.int64()), (OVERRIDES, pa.string()),
+                    (MODEL, pa.string())])
+
+
+class _Body(BaseModel):
+    """The part of a request body overnight honours; other OpenAI fields are accepted and
+    ignored (logprobs, user, ...), as a different server would."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[str] | None = None
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=128)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    stream: bool | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> _Body:
+        if self.stream:
+            raise ValueError("stream: true is not supported in a batch")
+        return self
+
+
+class _Line(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    custom_id: str = Field(min_length=1)
+    method: Literal["POST"]
+    url: str
+    body: dict[str, Any]
+
+
+@dataclass
+class Prepared:
+    table: Path  # the prepared requests (Parquet)
+    errors: Path  # lines that cannot run (JSONL, in line order)
+    requests: int
+    rejected: int
+    max_tokens: int  # the largest a request asks for: the job's cap
+
+
+def _error_line(line: int, custom_id, code: str, message: str) -> dict:
+    return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message, "line": line}}
+
+
+def _id(prefix: str, custom_id, line: int) -> str:
+    return f"{prefix}_{hashlib.sha1(f'{custom_id}:{line}'.encode()).hexdigest()[:24]}"
+
+
+def _text_of(content) -> str:
+    """A message's content: a string, or a list of text parts (images are refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" for p in content):
+            raise ValueError("only text content parts are supported")
+        return "".join(str(p.get("text", "")) for p in content)
+    raise ValueError("message content must be a string or a list of text parts")
+
+
+def parse_request(raw: str, default_max_tokens: int, max_model_len: int) -> dict:
+    """One line -> one row of the prepared table; ValueError(code, message) if it can't run."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _Reject("invalid_json", f"not valid JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise _Reject("invalid_request", "a line must be a JSON object")
+    try:
+        line = _Line.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "(line)"
+        raise _Reject("invalid_request", f"{key}: {first['msg']}") from None
+    kind = URLS.get(line.url)
+    if kind is None:
+        raise _Reject("invalid_url", f"url {line.url!r} is not supported; use one of "
+                      + ", ".join(URLS))
+    try:
+        body = _Body.model_validate(line.body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "body"
+        raise _Reject("invalid_body", f"body.{key}: {first['msg']}") from None
+    if kind == "chat":
+        if not body.messages:
+            raise _Reject("invalid_body", "body.messages is required for /v1/chat/completions")
+        try:
+            messages = [{"role": str(m["role"]), "content": _text_of(m.get("content"))}
+                        for m in body.messages]
+        except (KeyError, ValueError) as exc:
+            raise _Reject("invalid_body", f"body.messages: {exc}") from None
+    else:
+        if body.prompt is None or isinstance(body.prompt, list) and len(body.prompt) != 1:
+            raise _Reject("invalid_body", "body.prompt must be one string for /v1/completions")
+        messages = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    # JSON either way: a list is chat messages, a string a raw prompt (see udfs/prompts.py)
+    prompt = json.dumps(messages, ensure_ascii=False)
+    max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
+    if max_tokens >= max_model_len:
+        raise _Reject("invalid_body", f"max_tokens {max_tokens} leaves no room for a prompt "
+                      f"in max_model_len {max_model_len}")
+    overrides: dict = {}
+    for key in ("temperature", "top_p", "n", "seed"):
+        if getattr(body, key) is not None:
+            overrides[key] = getattr(body, key)
+    if body.stop is not None:
+        overrides["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.response_format is not None:
+        overrides.update(_response_format(body.response_format))
+    return {CUSTOM_ID: line.custom_id, KIND: kind, PROMPT: prompt, MAX_TOKENS: max_tokens,
+            OVERRIDES: json.dumps(overrides), MODEL: body.model}
+
+
+def _response_format(fmt: dict) -> dict:
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return {}
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise _Reject("invalid_body", "body.response_format.json_schema.schema must be "
+                          "a JSON Schema object")
+        from udfs.parsers import SchemaError, StructuredSpec
+
+        try:
+            StructuredSpec(json_schema=schema).check()
+        except SchemaError as exc:
+            raise _Reject("invalid_body", f"body.response_format: {exc}") from None
+        return {"json_schema": schema}
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    raise _Reject("invalid_body", f"body.response_format.type {kind!r} is not supported")
+
+
+class _Reject(ValueError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def prepare(requests: Path, work: Path, default_max_tokens: int,
+            max_model_len: int) -> Prepared:
+    """Read the request file once, streaming: runnable requests to Parquet, the rest to the
+    error file (both in line order)."""
+    table, errors = work / "requests.parquet", work / "rejected.jsonl"
+    seen: set[str] = set()
+    rows: list[dict] = []
+    count = rejected = top = 0
+    tmp_table = work / ".requests.parquet.tmp"
+    with pq.ParquetWriter(tmp_table, SCHEMA) as writer, \
+            open(work / ".rejected.jsonl.tmp", "w", encoding="utf-8") as bad:
+        with open(requests, "rb") as source:
+            for number, raw in enumerate(source, start=1):
+                if not raw.strip():
+                    continue
+                custom_id = None
+                try:
+                    text = raw.decode("utf-8")
+                    custom_id = _custom_id(text)
+                    row = parse_request(text, default_max_tokens, max_model_len)
+                    if row[CUSTOM_ID] in seen:
+                        raise _Reject("duplicate_custom_id", f"custom_id {row[CUSTOM_ID]!r} "
+                                      "was used by an earlier line, which runs; this one "
+                                      "does not")
+                except UnicodeDecodeError:
+                    row, exc = None, _Reject("invalid_json", "not valid UTF-8")
+                except _Reject as caught:
+                    row, exc = None, caught
+                if row is None:
+                    bad.write(json.dumps(_error_line(number, custom_id, exc.code, exc.message),
+                                         ensure_ascii=False) + "\n")
+                    rejected += 1
+                    continue
+                seen.add(row[CUSTOM_ID])
+                rows.append({**row, LINE: number})
+                top = max(top, row[MAX_TOKENS])
+                count += 1
+                if len(rows) >= CHUNK:
+                    writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
+                    rows = []
+        if rows:
+            writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
+    os.replace(tmp_table, table)
+    os.replace(work / ".rejected.jsonl.tmp", errors)
+    return Prepared(table, errors, count, rejected, top or default_max_tokens)
+
+
+def _custom_id(text: str):
+    """The line's custom_id if it can be read at all (for the error file)."""
+    try:
+        value = json.loads(text).get("custom_id")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def batch_config(prepared: Prepared, output: Path, model: str, base: dict | None,
+                 overrides: list[str]) -> JobConfig:
+    """The job that runs the prepared requests: messages (or a raw prompt) per row, each
+    row's own max_tokens and sampling; the rest (engine, resources, context) from ``base``."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in (base or {}).items()}
+    for section in ("input", "prompt", "output", "structured"):
+        if section in raw:
+            raise ConfigError(f"batch: the config's {section!r} section is set by the batch "
+                              "file; remove it")
+    raw["input"] = {"path": str(prepared.table), "id_column": CUSTOM_ID}
+    raw.setdefault("model", {})["name"] = model
+    raw["prompt"] = {"messages_column": PROMPT, "on_too_long": "error"}
+    sampling = raw.setdefault("sampling", {})
+    sampling.update({"max_tokens": prepared.max_tokens, "max_tokens_column": MAX_TOKENS,
+                     "overrides_column": OVERRIDES})
+    sampling.setdefault("temperature", 1.0)  # the OpenAI default
+    raw["output"] = {"path": str(output), "column": "text"}
+    return load_config(apply_overrides(raw, overrides))
+
+
+def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
+                  model: str) -> tuple[int, int]:
+    """The job's parts -> result lines (in input order); failed rows and rejected lines ->
+    error lines (in line order). Returns (results, errors)."""
+    ok = failed = 0
+    created = int(time.time())
+    failures = job_output.with_name(job_output.name + ".failed.jsonl")
+
+    def write_ok(tmp: Path) -> None:
+        nonlocal ok, failed
+        with open(tmp, "w", encoding="utf-8") as out, open(failures, "w") as fail:
+            for part in sorted(job_output.glob("*.parquet")):
+                for request in _requests(pq.read_table(part)):
+                    line = _result_line(request, model, created)
+                    target = out if line["error"] is None else fail
+                    target.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    ok += line["error"] is None
+                    failed += line["error"] is not None
+
+    write_atomically(results, write_ok)
+
+    def write_errors(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as out, open(rejected) as a, open(failures) as b:
+            for line in heapq.merge(a, b, key=lambda text: json.loads(text)["error"]["line"]):
+                out.write(line)
+
+    write_atomically(errors, write_errors)
+    rejected_count = sum(1 for _ in open(rejected))
+    failures.unlink()
+    return ok, failed + rejected_count
+
+
+def _requests(part: pa.Table):
+    """A part's rows grouped by request (a request with n > 1 has n rows, its samples)."""
+    rows = part.to_pylist()
+    group: list[dict] = []
+    for row in rows:
+        if group and row[CUSTOM_ID] != group[0][CUSTOM_ID]:
+            yield group
+            group = []
+        group.append(row)
+    if group:
+        yield group
+
+
+def _result_line(samples: list[dict], model: str, created: int) -> dict:
+    first = samples[0]
+    custom_id, line = first[CUSTOM_ID], first[LINE]
+    failed = next((s for s in samples if s[columns.ERROR] is not None), None)
+    if failed is not None:
+        return _error_line(line, custom_id, failed[columns.ERROR_KIND], failed[columns.ERROR])
+    chat = first[KIND] == "chat"
+    choices = [
+        {"index": i, "finish_reason": s[columns.FINISH_REASON], "logprobs": None,
+         **({"message": {"role": "assistant", "content": s["text"]}} if chat
+            else {"text": s["text"]})}
+        for i, s in enumerate(samples)]
+    prompt_tokens = first[columns.PROMPT_TOKENS] or 0
+    completion = sum(s[columns.COMPLETION_TOKENS] or 0 for s in samples)
+    body = {"id": _id("chatcmpl" if chat else "cmpl", custom_id, line),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion}}
+    return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
+                         "body": body},
+            "error": None}
+
+
+def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
+                   errors: str | Path | None = None, config: dict | str | Path | None = None,
+                   overrides: list[str] | tuple[str, ...] = (), overwrite: bool = False,
+                   progress=None) -> dict:
+    """Run an OpenAI Batch input file; write the result and error files. Returns counts."""
+    import yaml
+
+    from pipelines.pipeline import run_job
+    from pipelines.preflight import resolve_max_model_len
+    from pipelines.write import OutputStore
+
+    requests, results = Path(requests), Path(results)
+    errors = Path(errors) if errors else results.with_name(results.stem + ".errors.jsonl")
+    if not requests.is_file():
+        raise InputError(f"{requests}: no such request file")
+    for path in (results, errors):
+        if path.exists() and not overwrite:
+            raise OutputError(f"{path} already exists; pass --overwrite to replace it")
+    if isinstance(config, (str, Path)):
+        try:
+            config = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{config}: cannot read: {exc}") from None
+    base = apply_overrides({k: dict(v) if isinstance(v, dict) else v
+                            for k, v in (config or {}).items()}, list(overrides))
+    model_section = base.get("model", {})
+    max_model_len = resolve_max_model_len(model, model_section.get("max_model_len"),
+                                          model_section.get("trust_remote_code", False))
+
+    work = results.with_name(results.name + ".overnight")
+    work.mkdir(parents=True, exist_ok=True)
+    source = {"path": str(requests.resolve()), "size": requests.stat().st_size,
+              "mtime": requests.stat().st_mtime, "max_model_len": max_model_len}
+    manifest = work / "source.json"
+    unchanged = manifest.exists() and json.loads(manifest.read_text()) == source \
+        and (work / "requests.parquet").exists()
+    prepared_record = work / "prepared.json"
+    if unchanged and prepared_record.exists():
+        prepared = Prepared(**{**json.loads(prepared_record.read_text()),
+                               "table": work / "requests.parquet",
+                               "errors": work / "rejected.jsonl"})
+    else:
+        default_max = base.get("sampling", {}).get("max_tokens") or min(1024, max_model_len // 2)
+        prepared = prepare(requests, work, default_max, max_model_len)
+        write_atomically(prepared_record, lambda tmp: tmp.write_text(json.dumps(
+            {k: v for k, v in prepared.__dict__.items() if k not in ("table", "errors")})))
+        write_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(source)))
+    job_output = work / "output"
+    summary = None
+    if prepared.requests:
+        job = batch_config(prepared, job_output, model, base, [])
+        record = OutputStore(str(job_output)).read_record() or {}
+        if overwrite or not unchanged:  # a new request file (or asked for): start over
+            summary = run_job(job, overwrite=True, progress=progress)
+        elif record.get("state") != "complete":  # the same file, interrupted: resume
+            summary = run_job(job, progress=progress)
+    else:
+        job_output.mkdir(exist_ok=True)
+    ok, failed = write_results(job_output, prepared.errors, results, errors, model)
+    return {"requests": prepared.requests + prepared.rejected, "results": ok, "errors": failed,
+            "rejected_lines": prepared.rejected, "results_path": str(results),
+            "errors_path": str(errors), "summary": summary}

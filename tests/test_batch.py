@@ -1,0 +1,196 @@
+"""OpenAI Batch files through the real engine: a mixed request file (chat and completions,
+per-request parameters, a json_schema response_format, malformed lines, a duplicate custom_id,
+an over-long prompt) in; every line of both output files checked against the Batch format;
+greedy results equal to vLLM's own ``run_batch`` on the same requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+from pipelines.batch import run_batch_file
+
+from conftest import KV_CACHE
+
+MODEL_NAME = "gpt-4o-mini"  # what the file was written for; --model maps it to the tiny one
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "size": {"type": "integer"}},
+          "required": ["name", "size"], "additionalProperties": False}
+
+
+def chat(custom_id, content, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL_NAME, "messages": [
+                {"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": content}], **body}}
+
+
+def completion(custom_id, prompt, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "gpt-3.5-turbo-instruct", "prompt": prompt, **body}}
+
+
+GREEDY_CHAT = [chat(f"chat-{i}", f"Name a colour, number {i}.", max_tokens=4 + 3 * i,
+                    temperature=0) for i in range(6)]
+LINES = [
+    json.dumps(GREEDY_CHAT[0]),
+    json.dumps(completion("comp-0", "Once upon a time", max_tokens=10, temperature=0)),
+    "{this is not json",
+    json.dumps(GREEDY_CHAT[1]),
+    json.dumps(chat("chat-0", "the same custom_id again", max_tokens=5)),  # duplicate
+    json.dumps(chat("sampled", "Three ideas", max_completion_tokens=6, temperature=0.9,
+                    top_p=0.9, n=3, seed=11)),
+    json.dumps({"custom_id": "embed", "method": "POST", "url": "/v1/embeddings",
+                "body": {"model": "x", "input": "hi"}}),
+    json.dumps(GREEDY_CHAT[2]),
+    json.dumps(chat("too-long", "word " * 3000, max_tokens=8, temperature=0)),
+    json.dumps(chat("schema", "Describe a box as JSON.", max_tokens=60, temperature=0,
+                    response_format={"type": "json_schema",
+                                     "json_schema": {"name": "box", "schema": SCHEMA}})),
+    json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}),  # no custom_id
+    json.dumps(chat("bad-body", "hi", max_tokens=-1)),
+    json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/chat/completions",
+                "body": {}}),
+    "[1, 2, 3]",
+    json.dumps(GREEDY_CHAT[3]),
+    json.dumps(completion("comp-1", "The harbour at dawn", max_tokens=7, temperature=0,
+                          stop=["\n\n"])),
+    json.dumps(GREEDY_CHAT[4]),
+    json.dumps(GREEDY_CHAT[5]),
+]
+REJECTED = {3: "invalid_json", 5: "duplicate_custom_id", 7: "invalid_url", 11: "invalid_request",
+            12: "invalid_body", 13: "invalid_request", 14: "invalid_request"}
+RUN_FAILED = {9: "prompt_too_long"}
+SETTINGS = [f"engine.kv_cache_memory_bytes={KV_CACHE}", "model.dtype=float32",
+            "model.max_model_len=512", "resources.batch_size=4"]
+
+
+@pytest.fixture(scope="session")
+def batch(tiny_model, ray_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    (root / "requests.jsonl").write_text("\n".join(LINES) + "\n")
+    counts = run_batch_file(root / "requests.jsonl", root / "results.jsonl", model=tiny_model,
+                            overrides=SETTINGS)
+    results = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in
+              (root / "results.errors.jsonl").read_text().splitlines()]
+    return root, counts, results, errors
+
+
+def test_every_readable_custom_id_is_in_exactly_one_file(batch):
+    _, counts, results, errors = batch
+    readable = [json.loads(line).get("custom_id") for line in LINES
+                if line.startswith("{") and line[1] == '"']
+    out = [r["custom_id"] for r in results] + [e["custom_id"] for e in errors]
+    assert sorted(c for c in out if c is not None) == sorted(c for c in readable if c)
+    assert len(results) + len(errors) == len(LINES)
+    assert counts["results"] == len(results) == len(LINES) - len(REJECTED) - len(RUN_FAILED)
+
+
+def test_results_in_input_order_and_in_the_batch_output_format(batch, tiny_model):
+    _, _, results, _ = batch
+    requests = {json.loads(line)["custom_id"]: json.loads(line) for line in reversed(LINES)
+                if line.startswith('{"custom_id"')}
+    expected = [json.loads(LINES[i])["custom_id"] for i in range(len(LINES))
+                if i + 1 not in REJECTED and i + 1 not in RUN_FAILED]
+    assert [r["custom_id"] for r in results] == expected
+    for line in results:
+        assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+        body, request = response["body"], requests[line["custom_id"]]
+        chat_request = request["url"] == "/v1/chat/completions"
+        assert body["object"] == ("chat.completion" if chat_request else "text_completion")
+        assert body["model"] == tiny_model and isinstance(body["created"], int)
+        n = request["body"].get("n", 1)
+        assert [c["index"] for c in body["choices"]] == list(range(n))
+        for choice in body["choices"]:
+            assert choice["finish_reason"] in ("stop", "length")
+            text = choice["message"]["content"] if chat_request else choice["text"]
+            assert isinstance(text, str)
+            if chat_request:
+                assert choice["message"]["role"] == "assistant"
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        cap = request["body"].get("max_tokens") or request["body"]["max_completion_tokens"]
+        assert 0 < usage["completion_tokens"] <= cap * n
+
+
+def test_per_request_parameters_are_honoured(batch):
+    _, _, results, _ = batch
+    by_id = {r["custom_id"]: r["response"]["body"] for r in results}
+    sampled = by_id["sampled"]["choices"]
+    assert len(sampled) == 3 and len({c["message"]["content"] for c in sampled}) > 1
+    for i, request in enumerate(GREEDY_CHAT):
+        assert by_id[request["custom_id"]]["usage"]["completion_tokens"] == 4 + 3 * i
+    box = json.loads(by_id["schema"]["choices"][0]["message"]["content"])
+    jsonschema.validate(box, SCHEMA)
+
+
+def test_error_lines_name_the_line_the_id_and_the_problem(batch):
+    _, counts, _, errors = batch
+    expected = {**REJECTED, **RUN_FAILED}
+    assert [e["error"]["line"] for e in errors] == sorted(expected)
+    for e in errors:
+        assert set(e) == {"id", "custom_id", "response", "error"} and e["response"] is None
+        assert e["error"]["code"] == expected[e["error"]["line"]] and e["error"]["message"]
+    by_line = {e["error"]["line"]: e for e in errors}
+    assert by_line[3]["custom_id"] is None and by_line[11]["custom_id"] is None
+    assert by_line[5]["custom_id"] == "chat-0"
+    assert by_line[9]["custom_id"] == "too-long" and "tokens" in by_line[9]["error"]["message"]
+    assert "body.max_tokens" in by_line[12]["error"]["message"]
+    assert counts["rejected_lines"] == len(REJECTED)
+
+
+def test_greedy_results_equal_vllms_own_run_batch(batch, tiny_model, llm):
+    """vLLM 0.32's run_batch takes chat requests only (and stops at a bad line), so it gets the
+    file's greedy chat requests; the completions are checked against LLM.generate."""
+    import vllm
+
+    root, _, results, _ = batch
+    (root / "vllm_in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GREEDY_CHAT))
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.openai.run_batch",
+         "-i", str(root / "vllm_in.jsonl"), "-o", str(root / "vllm_out.jsonl"),
+         "--model", tiny_model, "--served-model-name", MODEL_NAME, "--dtype", "float32",
+         "--max-model-len", "512", "--kv-cache-memory-bytes", str(KV_CACHE),
+         "--enforce-eager", "--no-enable-chunked-prefill"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = {}
+    for line in (root / "vllm_out.jsonl").read_text().splitlines():
+        line = json.loads(line)
+        theirs[line["custom_id"]] = line["response"]["body"]
+    ours = {r["custom_id"]: r["response"]["body"] for r in results}
+    for request in GREEDY_CHAT:
+        cid = request["custom_id"]
+        assert ours[cid]["choices"][0]["message"]["content"] == \
+            theirs[cid]["choices"][0]["message"]["content"]
+        assert ours[cid]["usage"] == {k: theirs[cid]["usage"][k] for k in
+                                      ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+    for cid, prompt, max_tokens in (("comp-0", "Once upon a time", 10),
+                                    ("comp-1", "The harbour at dawn", 7)):
+        reference = llm.generate([prompt], vllm.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, stop=["\n\n"] if cid == "comp-1" else None),
+            use_tqdm=False)[0].outputs[0].text
+        assert ours[cid]["choices"][0]["text"] == reference
+
+
+def test_the_cli_runs_a_file_and_refuses_to_overwrite(batch, tiny_model):
+    from conftest import REPO
+
+    root, _, _, _ = batch
+    run = subprocess.run([sys.executable, "-m", "pipelines.cli", "batch",
+                          str(root / "requests.jsonl"), "-o", str(root / "results.jsonl"),
+                          "--model", tiny_model], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert run.returncode == 2
+    assert run.stderr.strip() == (f"overnight: error: {root / 'results.jsonl'} already exists; "
+                                  "pass --overwrite to replace it")
