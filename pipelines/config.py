@@ -36,6 +36,9 @@ class ModelConfig(_Strict):
     )
     dtype: str = Field("auto", description="Weights dtype: auto, float32, bfloat16, float16.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs each engine spreads over.")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Pipeline stages per engine; an engine holds tensor_parallel_size "
+        "x pipeline_parallel_size GPUs, reserved together on one node.")
     trust_remote_code: bool = Field(False, description="Allow the model's own Python code.")
 
 
@@ -168,7 +171,13 @@ class ResourcesConfig(_Strict):
     blocks_in_flight: int = Field(
         4, ge=1, description="Blocks each engine holds at once, so it never drains between "
         "blocks: a new block's requests join the running batch as soon as it arrives.")
-    address: str | None = Field(None, description="Ray cluster address; default: a local Ray.")
+    address: str | None = Field(
+        None, description="An existing Ray cluster to run on: 'auto', 'HOST:PORT' or "
+        "'ray://HOST:10001'; default: a Ray started for the job on this machine. The project's "
+        "code is shipped to the workers (Ray runtime env); the engine must be installed there.")
+    accelerator_type: str | None = Field(
+        None, description="Pin engines to one kind of accelerator, e.g. A100, H100, MI300X "
+        "(Ray's accelerator_type).")
 
 
 class PricePerMTok(_Strict):

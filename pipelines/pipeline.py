@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pipelines.config import JobConfig
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
 from pipelines.read import read_dataset
 from pipelines.report import build_report, write_report
-from pipelines.resources import LIGHT_STAGE_CPUS, plan_replicas, ray_session
+from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
 from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
 from udfs import columns
 from udfs.columns import ErrorKind
@@ -99,8 +100,7 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     ds = ds.map_batches(Predictor,
                         fn_constructor_kwargs={"engine": plan.engine, "sampling": plan.sampling,
                                                "output_column": plan.config.output.column},
-                        batch_format="pyarrow", batch_size=None,
-                        num_cpus=replicas.num_cpus, num_gpus=replicas.num_gpus or None,
+                        batch_format="pyarrow", batch_size=None, **replicas.remote_args(),
                         compute=_pool(replicas.replicas,
                                       concurrent_blocks=plan.config.resources.blocks_in_flight))
     if plan.structured is not None:
@@ -160,6 +160,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     parts: list[dict] = []  # this run's part records: counts, replica, times
     with ray_session(config.resources.address, verbose=verbose):
         ray_ready = time.time()
+        check_paths_shared([*(str(Path(f).resolve()) for f in plan.input.files),
+                            str(store.staging.resolve())])
         _quiet_ray_data(verbose)
         ds = build_dataset(plan, layout, frozenset(done), only_rows)
         if ds is not None:

@@ -67,6 +67,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         "max_model_len": max_model_len,
         "dtype": config.model.dtype,
         "tensor_parallel_size": config.model.tensor_parallel_size,
+        "pipeline_parallel_size": config.model.pipeline_parallel_size,
         "trust_remote_code": config.model.trust_remote_code,
         **config.engine.model_dump(exclude={"kind"}),
     })

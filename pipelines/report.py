@@ -129,7 +129,8 @@ def _times(timings: dict, parts: list[dict]) -> dict:
     for label, r in sorted(replicas.items()):
         where = json.loads(label)
         busy = max(r.pop("last_done_at") - r.pop("ready_at"), 1e-9)
-        per_replica.append({"node": where.get("node"), "actor": where.get("actor"),
+        per_replica.append({"node": where.get("node"), "node_id": where.get("node_id"),
+                            "actor": where.get("actor"),
                             "gpus": where.get("gpus", []), **r, "seconds": round(busy, 2),
                             "output_tokens_per_s": round(r["output_tokens"] / busy, 1)})
     timeline = sorted(({"t": round(p["done_at"] - started, 2), "rows": p["rows"],
@@ -194,7 +195,8 @@ def report_lines(report: dict) -> list[str]:
                      "generation")
         for r in th["per_replica"]:
             gpus = ",".join(r["gpus"]) or "-"
-            lines.append(f"  replica {r['node']} actor {r['actor']} gpus {gpus}: "
+            lines.append(f"  replica {r['node']} node {r.get('node_id')} actor {r['actor']} "
+                         f"gpus {gpus}: "
                          f"{r['rows']} rows, {r['output_tokens']:,} tok, "
                          f"{r['output_tokens_per_s']:,.0f} tok/s")
     cost = report.get("cost")

@@ -7,6 +7,7 @@ refuses, with a clear line, a request that the cluster can never satisfy (Ray wo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -24,11 +25,45 @@ class ReplicaPlan:
     replicas: int
     num_gpus: float  # per replica
     num_cpus: float  # per replica
+    # GPUs each replica reserves as one placement group (tensor x pipeline parallel > 1);
+    # the actor then asks for no GPU of its own and vLLM's workers take the group's bundles.
+    group_gpus: int = 0
+    accelerator_type: str | None = None
+
+    def remote_args(self) -> dict:
+        """Ray resource arguments for the predictor's ``map_batches``."""
+        args: dict = {"num_cpus": self.num_cpus}
+        if self.group_gpus:
+            args["ray_remote_args_fn"] = functools.partial(
+                placement_group_strategy, self.group_gpus, self.accelerator_type)
+        elif self.num_gpus:
+            args["num_gpus"] = self.num_gpus
+            if self.accelerator_type:
+                args["accelerator_type"] = self.accelerator_type
+        if self.replicas > 1 and not self.group_gpus:
+            args["scheduling_strategy"] = "SPREAD"  # engines on as many nodes as possible
+        return args
+
+
+def placement_group_strategy(gpus: int, accelerator_type: str | None) -> dict:
+    """One replica's GPUs as a placement group packed on one node; the actor and everything
+    it starts (vLLM's Ray workers) run inside it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"GPU": 1, "CPU": 1}
+    if accelerator_type:
+        bundle[f"accelerator_type:{accelerator_type}"] = 0.001
+    group = ray.util.placement_group([dict(bundle) for _ in range(gpus)],
+                                     strategy="STRICT_PACK")
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        group, placement_group_capture_child_tasks=True)}
 
 
 @contextlib.contextmanager
 def ray_session(address: str | None = None, verbose: bool = False):
-    """Use the Ray already initialized in this process, else start (and later stop) one."""
+    """Use the Ray already initialized in this process, else start (and later stop) one, or
+    connect to the cluster at ``address``, shipping this project's code to its workers."""
     import ray
 
     if ray.is_initialized():
@@ -39,9 +74,20 @@ def ray_session(address: str | None = None, verbose: bool = False):
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.ERROR)
-    ray.init(address=address, include_dashboard=False, log_to_driver=verbose,
-             logging_level=logging.INFO if verbose else logging.ERROR,
-             configure_logging=True)
+    options: dict = dict(log_to_driver=verbose, configure_logging=True,
+                         logging_level=logging.INFO if verbose else logging.ERROR)
+    if address is None:
+        options["include_dashboard"] = False
+    else:
+        import pipelines
+        import udfs
+
+        options["runtime_env"] = {"py_modules": [pipelines, udfs]}
+    try:
+        ray.init(address=address, **options)
+    except ConnectionError as exc:
+        raise JobError(f"resources.address {address!r}: cannot connect to a Ray cluster "
+                       f"there ({' '.join(str(exc).split())[:200]})") from None
     try:
         yield
     finally:
@@ -53,26 +99,66 @@ def plan_replicas(config: JobConfig) -> ReplicaPlan:
 
     total = ray.cluster_resources()
     gpus, cpus = int(total.get("GPU", 0)), total.get("CPU", 0)
-    tp = config.model.tensor_parallel_size
+    per = config.model.tensor_parallel_size * config.model.pipeline_parallel_size
     wanted = config.resources.replicas
+    accelerator = config.resources.accelerator_type
     if config.engine.kind == "http":  # a replica is an HTTP client: no GPU, a sliver of CPU
         return ReplicaPlan(1 if wanted == "auto" else wanted, 0, LIGHT_STAGE_CPUS)
     if gpus == 0:
-        if tp > 1:
-            raise JobError(f"model.tensor_parallel_size {tp} needs GPUs; the Ray cluster has none")
+        if per > 1:
+            raise JobError(f"model.tensor_parallel_size x pipeline_parallel_size = {per} "
+                           "needs GPUs; the Ray cluster has none")
+        if accelerator:
+            raise JobError(f"resources.accelerator_type {accelerator!r}: the Ray cluster "
+                           "has no GPU")
         replicas = 1 if wanted == "auto" else wanted
-        # The engine takes the real cores; what is left runs the light stages.
-        per_replica = max(1.0, (cpus - 3 * LIGHT_STAGE_CPUS) // replicas)
-        if replicas * per_replica + LIGHT_STAGE_CPUS > cpus:
+        # The engines take the real cores; what is left runs the light stages. An engine
+        # may take a fraction of a CPU where several share a small node.
+        spare = cpus - 3 * LIGHT_STAGE_CPUS
+        per_replica = min(1.0, (spare / replicas) // LIGHT_STAGE_CPUS * LIGHT_STAGE_CPUS) \
+            if replicas > 1 else max(1.0, spare // 1)
+        if per_replica < 2 * LIGHT_STAGE_CPUS:
             raise JobError(f"resources.replicas {replicas}: the Ray cluster has {cpus:g} CPUs "
                            "and no GPU; use replicas: auto")
         return ReplicaPlan(replicas, 0, per_replica)
-    fit = gpus // tp
+    fit = sum(int(n) // per for n in _gpus_per_node())  # a replica's GPUs share one node
     if fit == 0:
-        raise JobError(f"model.tensor_parallel_size {tp} needs {tp} GPUs; "
-                       f"the Ray cluster has {gpus}")
+        raise JobError(f"an engine of tensor_parallel_size x pipeline_parallel_size = {per} "
+                       f"needs {per} GPUs on one node; the Ray cluster's nodes have at most "
+                       f"{max(_gpus_per_node())}")
     replicas = fit if wanted == "auto" else wanted
     if replicas > fit:
-        raise JobError(f"resources.replicas {replicas} x tensor_parallel_size {tp} needs "
-                       f"{replicas * tp} GPUs; the Ray cluster has {gpus}")
-    return ReplicaPlan(replicas, tp, 1)
+        raise JobError(f"resources.replicas {replicas} x {per} GPUs per engine: the Ray "
+                       f"cluster has {gpus} GPUs, room for {fit} such engines")
+    if per > 1:
+        return ReplicaPlan(replicas, 0, 1, group_gpus=per, accelerator_type=accelerator)
+    return ReplicaPlan(replicas, 1, 1, accelerator_type=accelerator)
+
+
+def _gpus_per_node() -> list[float]:
+    import ray
+
+    return [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+
+
+def check_paths_shared(paths: list[str]) -> None:
+    """On a cluster of several nodes, every node must see the job's files (shared storage):
+    a task pinned to each node looks for them, and a node that cannot is a clear error."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return
+
+    @ray.remote(num_cpus=0)
+    def missing(candidates: list[str]) -> list[str]:
+        return [p for p in candidates if not os.path.exists(p)]
+
+    checks = [missing.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote(paths) for n in nodes]
+    for node, absent in zip(nodes, ray.get(checks)):
+        if absent:
+            raise JobError(f"{absent[0]} is not visible on node {node['NodeManagerAddress']} "
+                           f"({len(nodes)} nodes in the Ray cluster): put the job's input and "
+                           "output on storage every node shares")

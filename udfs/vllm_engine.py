@@ -57,11 +57,16 @@ class VLLMEngine:
             max_model_len=opts.pop("max_model_len", None),
             dtype=opts.pop("dtype", "auto"),
             tensor_parallel_size=opts.pop("tensor_parallel_size", 1),
+            pipeline_parallel_size=opts.pop("pipeline_parallel_size", 1),
             trust_remote_code=opts.pop("trust_remote_code", False),
             enforce_eager=_default(opts.pop("enforce_eager", None), cpu),
             gpu_memory_utilization=opts.pop("gpu_memory_utilization", 0.9),
             structured_outputs_config=opts.pop("structured_outputs", None),
         )
+        if kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"] > 1:
+            # The replica's actor runs in a placement group of its GPUs (pipelines/resources);
+            # vLLM's Ray executor puts one worker on each of that group's bundles.
+            kwargs["distributed_executor_backend"] = "ray"
         if cpu:
             # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded
             # request's prefill is split across steps; unsplit prefills avoid that path.
