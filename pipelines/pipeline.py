@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelines.config import JobConfig
+from pipelines.errors import JobError
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
 from pipelines.read import read_dataset
@@ -100,7 +101,10 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     ds = ds.map_batches(Predictor,
                         fn_constructor_kwargs={"engine": plan.engine, "sampling": plan.sampling,
                                                "output_column": plan.config.output.column},
-                        batch_format="pyarrow", batch_size=None, **replicas.remote_args(),
+                        # by rows, not whole blocks (Ray Data insists on it for GPU stages):
+                        # the writer puts blocks back together
+                        batch_format="pyarrow", batch_size=plan.config.resources.batch_size,
+                        **replicas.remote_args(),
                         compute=_pool(replicas.replicas,
                                       concurrent_blocks=plan.config.resources.blocks_in_flight))
     if plan.structured is not None:
@@ -148,6 +152,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         source_columns=tuple(plan.input.schema.names),
         added_columns=tuple(config.generated_columns()),
         block_starts=tuple(b.ordinal for b in plan.input.blocks),
+        block_rows=tuple(len(only_rows.get(b.ordinal, ())) if retry_errors else b.num_rows
+                         for b in plan.input.blocks),
         merge_from=str(store.path) if retry_errors else None,
         key_column=key_column,
         text_column=config.output.column,
@@ -171,6 +177,11 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
                     progress.update(record["input_rows"], record["completion_tokens"],
                                     sum(json.loads(record["errors"]).values()))
     progress.finish()
+    written = store.done_blocks()
+    missing = [b.ordinal for b in plan.input.blocks if b.ordinal not in written]
+    if missing:  # never commit an output with a hole in it
+        raise JobError(f"{len(missing)} block(s) were not written (first: rows from "
+                       f"{missing[0]}); the parts written are kept: run again to resume")
     summary = summarize_staged(store, key_column)
     summary.structured = plan.structured is not None
     summary.rows_total = plan.input.num_rows

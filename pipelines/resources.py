@@ -86,8 +86,13 @@ def ray_session(address: str | None = None, verbose: bool = False):
     try:
         ray.init(address=address, **options)
     except ConnectionError as exc:
+        # A cluster made by `ray start` (Ray >= 2.60) wants its auth token, which a driver
+        # sends only with RAY_AUTH_MODE=token, read when Ray is imported.
+        hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+            "; if the cluster uses token authentication (the default of `ray start`), "
+            "export RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or ~/.ray/auth_token)")
         raise JobError(f"resources.address {address!r}: cannot connect to a Ray cluster "
-                       f"there ({' '.join(str(exc).split())[:200]})") from None
+                       f"there ({' '.join(str(exc).split())[:200]}){hint}") from None
     try:
         yield
     finally:
@@ -125,7 +130,7 @@ def plan_replicas(config: JobConfig) -> ReplicaPlan:
     if fit == 0:
         raise JobError(f"an engine of tensor_parallel_size x pipeline_parallel_size = {per} "
                        f"needs {per} GPUs on one node; the Ray cluster's nodes have at most "
-                       f"{max(_gpus_per_node())}")
+                       f"{max(_gpus_per_node()):g}")
     replicas = fit if wanted == "auto" else wanted
     if replicas > fit:
         raise JobError(f"resources.replicas {replicas} x {per} GPUs per engine: the Ray "

@@ -70,6 +70,9 @@ class PartLayout:
     source_columns: tuple[str, ...]
     added_columns: tuple[str, ...]  # row_id (when added), the text column, GENERATED
     block_starts: tuple[int, ...]  # first ordinal of every planned block, sorted
+    # input rows each block will bring, parallel to block_starts (with --retry-errors: the
+    # block's rows to re-run); a part is written once all of them have arrived
+    block_rows: tuple[int, ...] = ()
     # --retry-errors: the committed output whose parts the re-run rows are merged into
     merge_from: str | None = None
     key_column: str = columns.ROW_ID  # the output column that identifies an input row
@@ -88,12 +91,24 @@ def input_offsets(keys: list) -> list[int]:
     return offsets
 
 
+RECORD_SCHEMA = pa.schema([
+    ("part", pa.string()), ("replica", pa.string()), ("ready_at", pa.float64()),
+    ("done_at", pa.float64()), ("written_at", pa.float64()), ("input_rows", pa.int64()),
+    ("rows", pa.int64()), ("errors", pa.string()), ("skipped", pa.int64()),
+    ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64())])
+
+
 class PartWriter:
-    """``map_batches`` callable: writes each complete block in the batch as one part, and
-    returns one small row per part for the driver's progress and summary."""
+    """``map_batches`` callable (one actor): writes each block as one part once all its rows
+    have arrived, and returns one small row per part written for the driver's progress and
+    summary. Ray Data may hand a block over in pieces (a GPU stage must batch by rows, and a
+    batch can end mid-block), so rows wait here until their block is whole."""
 
     def __init__(self, layout: PartLayout):
         self.layout = layout
+        self.expected = dict(zip(layout.block_starts, layout.block_rows))
+        self.pending: dict[int, list[pa.Table]] = {}
+        self.arrived: dict[int, set[int]] = {}
 
     def _arrange(self, table: pa.Table) -> pa.Table:
         if columns.ROW_ID in self.layout.added_columns:
@@ -108,7 +123,15 @@ class PartWriter:
             blocks.setdefault(starts[bisect.bisect_right(starts, ordinal) - 1], []).append(i)
         records = []
         for start, rows in sorted(blocks.items()):
-            block = batch.take(rows)
+            self.pending.setdefault(start, []).append(batch.take(rows))
+            self.arrived.setdefault(start, set()).update(ordinals[i] for i in rows)
+            if len(self.arrived[start]) < self.expected[start]:
+                continue
+            pieces = self.pending.pop(start)
+            del self.arrived[start]
+            block = pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
+            if len(pieces) > 1:  # input order; a row's samples keep theirs (stable sort)
+                block = block.take(pc.sort_indices(block.column(columns.ORDINAL)))
             part = self._arrange(block)
             if self.layout.dedupe:
                 part = self._dedupe(part)
@@ -118,7 +141,7 @@ class PartWriter:
                              lambda tmp, part=part: pq.write_table(part, tmp))
             records.append({"part": part_name(start), **_timing(block),
                             **count_part(part, self.layout.key_column)})
-        return pa.Table.from_pylist(records)
+        return pa.Table.from_pylist(records, RECORD_SCHEMA)
 
 
     def _merge(self, start: int, ordinals: pa.Array, rows: pa.Table) -> pa.Table:
@@ -148,10 +171,12 @@ class PartWriter:
 
 def _timing(block: pa.Table) -> dict:
     """Which replica generated the block, and when (the predictor's columns)."""
-    first = {name: block.column(name)[0].as_py() if name in block.column_names else None
-             for name in (columns.REPLICA, columns.READY_AT, columns.DONE_AT)}
-    return {"replica": first[columns.REPLICA], "ready_at": first[columns.READY_AT],
-            "done_at": first[columns.DONE_AT], "written_at": time.time()}
+    if columns.REPLICA not in block.column_names:
+        return {"replica": None, "ready_at": None, "done_at": None, "written_at": time.time()}
+    return {"replica": block.column(columns.REPLICA)[0].as_py(),
+            "ready_at": pc.min(block.column(columns.READY_AT)).as_py(),
+            "done_at": pc.max(block.column(columns.DONE_AT)).as_py(),
+            "written_at": time.time()}
 
 
 COUNTED = [columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
