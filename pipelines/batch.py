@@ -111,13 +111,23 @@ def _text_of(content) -> str:
 
 
 def parse_request(raw: str, default_max_tokens: int, max_model_len: int) -> dict:
-    """One line -> one row of the prepared table; ValueError(code, message) if it can't run."""
+    """One line -> one row of the prepared table; raises _Reject (code, message, the line's
+    custom_id when it could be read) if it cannot run."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise _Reject("invalid_json", f"not valid JSON: {exc.msg}") from None
     if not isinstance(data, dict):
         raise _Reject("invalid_request", "a line must be a JSON object")
+    custom_id = data.get("custom_id")
+    try:
+        return _parse(data, default_max_tokens, max_model_len)
+    except _Reject as reject:
+        reject.custom_id = custom_id if isinstance(custom_id, str) else None
+        raise
+
+
+def _parse(data: dict, default_max_tokens: int, max_model_len: int) -> dict:
     try:
         line = _Line.model_validate(data)
     except ValidationError as err:
@@ -188,7 +198,7 @@ def _response_format(fmt: dict) -> dict:
 class _Reject(ValueError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.custom_id = code, message, None
 
 
 def prepare(requests: Path, work: Path, default_max_tokens: int,
@@ -206,22 +216,21 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
             for number, raw in enumerate(source, start=1):
                 if not raw.strip():
                     continue
-                custom_id = None
                 try:
-                    text = raw.decode("utf-8")
-                    custom_id = _custom_id(text)
-                    row = parse_request(text, default_max_tokens, max_model_len)
+                    row = parse_request(raw.decode("utf-8"), default_max_tokens,
+                                        max_model_len)
                     if row[CUSTOM_ID] in seen:
-                        raise _Reject("duplicate_custom_id", f"custom_id {row[CUSTOM_ID]!r} "
+                        exc = _Reject("duplicate_custom_id", f"custom_id {row[CUSTOM_ID]!r} "
                                       "was used by an earlier line, which runs; this one "
                                       "does not")
+                        exc.custom_id, row = row[CUSTOM_ID], None
                 except UnicodeDecodeError:
                     row, exc = None, _Reject("invalid_json", "not valid UTF-8")
                 except _Reject as caught:
                     row, exc = None, caught
                 if row is None:
-                    bad.write(json.dumps(_error_line(number, custom_id, exc.code, exc.message),
-                                         ensure_ascii=False) + "\n")
+                    bad.write(json.dumps(_error_line(number, exc.custom_id, exc.code,
+                                                     exc.message), ensure_ascii=False) + "\n")
                     rejected += 1
                     continue
                 seen.add(row[CUSTOM_ID])
@@ -236,15 +245,6 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
     os.replace(tmp_table, table)
     os.replace(work / ".rejected.jsonl.tmp", errors)
     return Prepared(table, errors, count, rejected, top or default_max_tokens)
-
-
-def _custom_id(text: str):
-    """The line's custom_id if it can be read at all (for the error file)."""
-    try:
-        value = json.loads(text).get("custom_id")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
 
 
 def batch_config(prepared: Prepared, output: Path, model: str, base: dict | None,
@@ -289,14 +289,16 @@ def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
     write_atomically(results, write_ok)
 
     def write_errors(tmp: Path) -> None:
+        nonlocal failed
+        failed = 0  # now: every error line, rejected or failed in the run
         with open(tmp, "w", encoding="utf-8") as out, open(rejected) as a, open(failures) as b:
             for line in heapq.merge(a, b, key=lambda text: json.loads(text)["error"]["line"]):
                 out.write(line)
+                failed += 1
 
     write_atomically(errors, write_errors)
-    rejected_count = sum(1 for _ in open(rejected))
     failures.unlink()
-    return ok, failed + rejected_count
+    return ok, failed
 
 
 def _requests(part: pa.Table):

@@ -94,8 +94,7 @@ def _histogram(values) -> dict:
     top = int(values.max()) + 1
     width = max(1, -(-top // HISTOGRAM_BINS))  # ceil
     counts = [0] * -(-top // width)
-    for value, n in zip(*(values // width).value_counts(sort=True).to_dict(as_series=False)
-                        .values()):
+    for value, n in (values // width).value_counts().iter_rows():
         counts[int(value)] = n
     return {"edges": [i * width for i in range(len(counts) + 1)], "counts": counts}
 

@@ -90,6 +90,29 @@ def test_chat_endpoint_sends_messages_and_matches_too(server, http_job, llm):
     assert ok["rewritten"].to_list() == greedy_reference(config, out, llm)
 
 
+def test_structured_output_through_the_server(server, http_job):
+    """json_schema goes as response_format, choice as vLLM's structured_outputs extension."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 10}},
+              "required": ["colour"], "additionalProperties": False}
+    config = http_job(server.base_url, name="schema", rows=ROWS[:4])
+    config = load_config({**config.model_dump(mode="json"), "structured": {"json_schema": schema},
+                          "sampling": {"temperature": 0.0, "max_tokens": 40}})
+    summary = run_job(config)
+    out = pl.read_parquet(config.output.path).filter(pl.col("error").is_null())
+    assert out.height == 4 and summary.structured
+    for text, parsed in zip(out["rewritten"], out["parsed"]):
+        jsonschema.validate(json.loads(text), schema)
+        assert parsed == json.loads(text)
+
+    config = http_job(server.base_url, name="choice", rows=ROWS[:4])
+    config = load_config({**config.model_dump(mode="json"),
+                          "structured": {"choice": ["red", "green", "blue"]}})
+    run_job(config)
+    assert set(pl.read_parquet(config.output.path)["rewritten"]) <= {"red", "green", "blue"}
+
+
 def test_429_is_retried_and_the_key_is_never_written(server, http_job, llm, monkeypatch,
                                                        tmp_path):
     stub = TooManyRequestsStub(server.base_url, refuse=5)
