@@ -38,6 +38,9 @@ class LocalCluster:
         self.address = f"127.0.0.1:{self.port}"
 
     def start_node(self, *args: str, head: bool = False) -> None:
+        if head:  # token authentication (Ray's default for `ray start`) needs a token here
+            subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True,
+                           check=True, timeout=120)
         where = ["--head", f"--port={self.port}", "--include-dashboard=false",
                  f"--temp-dir={self.temp}"] if head else [f"--address={self.address}"]
         log = open(self.root / f"node-{len(self.procs)}.log", "wb")
