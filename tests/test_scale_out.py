@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 import yaml
 
-from conftest import KV_CACHE, REPO, job_config
+from conftest import REPO, job_config
 from servers import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
