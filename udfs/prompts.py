@@ -128,36 +128,36 @@ class PromptRenderer:
                 .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
                 .append_column(columns.ERROR, pa.array(errors, pa.string())))
 
-    def render_messages(self, row: dict) -> list[dict]:
-        """The row as chat messages: the system message, then the rendered template (or the
-        row's own messages)."""
-        raw = self.raw_prompt(row)
-        if raw is not None:
-            return [{"role": "user", "content": raw}]
-        if self.template is None:
-            messages = _messages(row[self.spec.messages_column])
-        else:
-            messages = [{"role": "user", "content": self.template.render(**row)}]
-        if self.spec.system and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.spec.system})
-        return messages
-
-    def raw_prompt(self, row: dict) -> str | None:
-        """A row whose messages column holds a plain string: a raw prompt, no chat template."""
+    def prompt(self, row: dict) -> tuple[str | None, list[dict] | None]:
+        """The row's prompt, rendered once: (a raw prompt, sent as it is, None) or (None, chat
+        messages: the system message, then the rendered template or the row's own)."""
         if self.template is None:
             value = _decoded(row[self.spec.messages_column])
             if isinstance(value, str):
-                return value
-        elif not self.use_chat:
-            return self.template.render(**row)
-        return None
+                return value, None
+            messages = _messages(value)
+        else:
+            user = self.template.render(**row)
+            if not self.use_chat:
+                return user, None
+            messages = [{"role": "user", "content": user}]
+        if self.spec.system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.spec.system})
+        return None, messages
+
+    def render_messages(self, row: dict) -> list[dict]:
+        """The row as chat messages (a raw prompt as one user message)."""
+        raw, messages = self.prompt(row)
+        return messages if raw is None else [{"role": "user", "content": raw}]
 
     def render_text(self, row: dict) -> str:
         """The prompt as the engine will see it, before tokenization."""
-        raw = self.raw_prompt(row)
+        return self._text(*self.prompt(row))
+
+    def _text(self, raw: str | None, messages: list[dict] | None) -> str:
         if raw is not None:
             return raw
-        return self.tokenizer.apply_chat_template(self.render_messages(row), tokenize=False,
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)
 
     def _fill(self, row: dict) -> dict:
@@ -182,7 +182,8 @@ class PromptRenderer:
                         f"column {nulls[0]!r} is null in this row")
             row = self._fill(row)
         try:
-            ids = self.tokenize(self.render_text(row), chat=self.raw_prompt(row) is None)
+            raw, messages = self.prompt(row)
+            ids = self.tokenize(self._text(raw, messages), chat=raw is None)
         except Exception as exc:  # a template error on this row's values: the row's problem
             return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
         if len(ids) <= budget:
