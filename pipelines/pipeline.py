@@ -6,17 +6,18 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pipelines.config import JobConfig
-from pipelines.errors import JobError
+from pipelines.errors import JobError, OutputError
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
 from pipelines.read import read_dataset
 from pipelines.report import build_report, write_report
 from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
+from pipelines.storage import redact
 from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
 from udfs import columns
 from udfs.columns import ErrorKind
@@ -140,21 +141,25 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     planned = time.time()
     store = OutputStore(config.output.path)
     key_column = config.input.id_column or columns.ROW_ID
-    if retry_errors:
-        only_rows, done = store.open_retry(plan.fingerprint, key_column), set()
-        todo = sum(len(rows) for rows in only_rows.values())
-    else:
-        only_rows, done = None, store.open(plan.fingerprint, overwrite=overwrite,
-                                           rows_total=plan.input.num_rows)
-        todo = sum(b.num_rows for b in plan.input.blocks if b.ordinal not in done)
+    try:
+        if retry_errors:
+            only_rows, done = store.open_retry(plan.fingerprint, key_column), set()
+            todo = sum(len(rows) for rows in only_rows.values())
+        else:
+            only_rows, done = None, store.open(plan.fingerprint, overwrite=overwrite,
+                                               rows_total=plan.input.num_rows)
+            todo = sum(b.num_rows for b in plan.input.blocks if b.ordinal not in done)
+    except OSError as exc:  # permissions, a full disk, an object store refusing
+        raise OutputError(f"output.path {str(store.path)!r}: cannot write there: "
+                          f"{' '.join(str(exc).split())[:300]}") from None
     layout = PartLayout(
-        staging=str(store.staging),
+        staging=store.staging,
         source_columns=tuple(plan.input.schema.names),
         added_columns=tuple(config.generated_columns()),
         block_starts=tuple(b.ordinal for b in plan.input.blocks),
         block_rows=tuple(len(only_rows.get(b.ordinal, ())) if retry_errors else b.num_rows
                          for b in plan.input.blocks),
-        merge_from=str(store.path) if retry_errors else None,
+        merge_from=store.path if retry_errors else None,
         key_column=key_column,
         text_column=config.output.column,
         dedupe=config.output.dedupe,
@@ -166,8 +171,9 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     parts: list[dict] = []  # this run's part records: counts, replica, times
     with ray_session(config.resources.address, verbose=verbose):
         ray_ready = time.time()
-        check_paths_shared([*(str(Path(f).resolve()) for f in plan.input.files),
-                            str(store.staging.resolve())])
+        # object stores are shared by nature; local paths must be seen by every node
+        check_paths_shared([os.path.abspath(loc.path) for loc in (*plan.input.files,
+                                                                   store.staging) if loc.local])
         _quiet_ray_data(verbose)
         ds = build_dataset(plan, layout, frozenset(done), only_rows)
         if ds is not None:
@@ -191,7 +197,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     summary.seconds = time.time() - started
     record = {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
               "rows_total": plan.input.num_rows,
-              "config": config.model_dump(mode="json"), "summary": summary.counts()}
+              "config": _without_secrets(config.model_dump(mode="json")),
+              "summary": summary.counts()}
     store.commit(record)
     summary.report = build_report(store.path, record, parts=parts, timings={
         "started": started, "planned": planned, "ray_ready": ray_ready,
@@ -206,6 +213,13 @@ def summarize_staged(store: OutputStore, key_column: str) -> RunSummary:
     for ordinal in sorted(store.done_blocks()):
         summary.add_part(summarize_part(store.staging / part_name(ordinal), key_column))
     return summary
+
+
+def _without_secrets(config: dict) -> dict:
+    """The config as recorded: object-store URIs without credentials or options."""
+    for section in ("input", "output"):
+        config[section]["path"] = redact(config[section]["path"])
+    return config
 
 
 def _quiet_ray_data(verbose: bool) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
 from pipelines.read import InputPlan, scan_input
+from pipelines.storage import Location, redact
 from udfs import columns
 from udfs.engine import EngineSpec
 from udfs.parsers import SchemaError, StructuredSpec
@@ -46,6 +47,11 @@ def plan_job(config: JobConfig) -> JobPlan:
     else:
         _, variables = _compile(config.prompt.template)
     structured = _structured(config)
+    try:
+        Location.of(config.output.path)
+    except ValueError as exc:
+        raise ConfigError(f"output.path {redact(config.output.path)!r}: "
+                          f"{' '.join(str(exc).split())}") from None
     plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
                       config.input.id_column)
     _check_columns(config, plan, variables)

@@ -13,7 +13,7 @@ import glob
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import PurePosixPath
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,6 +22,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from pipelines.errors import InputError
+from pipelines.storage import Location, redact
 from udfs import columns
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
@@ -33,7 +34,7 @@ class Block:
     """Rows [ordinal, ordinal + num_rows) of the input; in ``path`` they start at ``offset``
     (a row index for Parquet, a byte offset for JSONL)."""
 
-    path: str
+    path: Location
     format: str
     ordinal: int
     num_rows: int
@@ -42,7 +43,7 @@ class Block:
 
 @dataclass
 class InputPlan:
-    files: list[str]
+    files: list[Location]
     format: str
     schema: pa.Schema
     blocks: list[Block]
@@ -52,41 +53,67 @@ class InputPlan:
     def fingerprint_parts(self) -> list[dict]:
         """What identifies the input for resume: each file's path, size and mtime."""
         out = []
-        for path in self.files:
-            stat = os.stat(path)
-            out.append({"path": os.path.abspath(path), "size": stat.st_size,
-                        "mtime_ns": stat.st_mtime_ns})
+        for file in self.files:
+            size, mtime_ns = file.stat()
+            out.append({"path": os.path.abspath(file.path) if file.local else str(file),
+                        "size": size, "mtime_ns": mtime_ns})
         return out
 
 
-def resolve_files(path: str, fmt: str = "auto") -> tuple[list[str], str]:
-    """The input files a path names (a file, a directory or a glob), sorted, and their format."""
-    if any(ch in path for ch in "*?["):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise InputError(f"input.path {path!r}: the glob matches no file")
-    elif os.path.isdir(path):
-        files = sorted(
-            str(p) for p in Path(path).rglob("*")
-            if p.is_file() and p.suffix.lower() in FORMATS and not p.name.startswith((".", "_"))
-        )
-        if not files:
-            raise InputError(f"input.path {path!r}: the directory holds no .parquet or .jsonl file")
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise InputError(f"input.path {path!r}: no such file or directory")
+def resolve_files(path: str, fmt: str = "auto") -> tuple[list[Location], str]:
+    """The input files a path names (a file, a directory or a glob; local or on an object
+    store such as ``s3://``), sorted, and their format."""
+    try:
+        where = Location.of(path)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"input.path {redact(path)!r}: {' '.join(str(exc).split())}") from None
+    shown = str(where)
+    try:
+        if any(ch in where.path for ch in "*?["):
+            files = _glob(where)
+            if not files:
+                raise InputError(f"input.path {shown!r}: the glob matches no file")
+        elif where.is_dir():
+            files = [f for f in where.files() if _suffix(f) in FORMATS
+                     and not f.name.startswith((".", "_"))]
+            if not files:
+                raise InputError(f"input.path {shown!r}: the directory holds no .parquet or "
+                                 ".jsonl file")
+        elif where.is_file():
+            files = [where]
+        else:
+            raise InputError(f"input.path {shown!r}: no such file or directory")
+    except OSError as exc:  # an object store refusing: credentials, bucket, network
+        raise InputError(f"input.path {shown!r}: {' '.join(str(exc).split())[:300]}") from None
 
     if fmt == "auto":
-        kinds = {FORMATS.get(Path(f).suffix.lower()) for f in files}
+        kinds = {FORMATS.get(_suffix(f)) for f in files}
         if None in kinds:
-            odd = next(f for f in files if Path(f).suffix.lower() not in FORMATS)
+            odd = next(f for f in files if _suffix(f) not in FORMATS)
             raise InputError(f"{odd}: unknown format; name it .parquet or .jsonl, "
                              "or set input.format")
         if len(kinds) > 1:
             raise InputError(f"input.path {path!r}: mixes Parquet and JSONL files")
         fmt = kinds.pop()
     return files, fmt
+
+
+def _suffix(file: Location) -> str:
+    return PurePosixPath(file.name).suffix.lower()
+
+
+def _glob(where: Location) -> list[Location]:
+    if where.local:
+        return [Location(p) for p in sorted(glob.glob(where.path, recursive=True))
+                if os.path.isfile(p)]
+    # object stores have no glob: list below the pattern's fixed prefix, then match
+    fixed = []
+    for segment in where.path.split("/"):
+        if any(ch in segment for ch in "*?["):
+            break
+        fixed.append(segment)
+    root = Location("/".join(fixed), where.fs, where.scheme)
+    return root.files(pattern=where.path)
 
 
 def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None) -> InputPlan:
@@ -124,7 +151,7 @@ def _unify(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
 
 def _scan_parquet(file, ordinal, block_rows, id_column, ids):
     try:
-        meta = pq.ParquetFile(file)
+        meta = pq.ParquetFile(file.open())
         num_rows = meta.metadata.num_rows
         schema = meta.schema_arrow
         if id_column is not None and id_column in schema.names:
@@ -141,9 +168,9 @@ def _scan_jsonl(file, ordinal, block_rows, id_column, ids):
     block_start_offset, offset = 0, 0
     first = ordinal
     try:
-        handle = open(file, "rb")
+        handle = file.open()
     except OSError as exc:
-        raise InputError(f"{file}: cannot open: {exc.strerror}") from None
+        raise InputError(f"{file}: cannot open: {exc.strerror or exc}") from None
     with handle:
         for lineno, raw in enumerate(handle, start=1):
             row = _parse_jsonl_line(raw, file, lineno)
@@ -201,8 +228,8 @@ def read_block(block: Block, schema: pa.Schema) -> pa.Table:
     return table.append_column(columns.ORDINAL, ordinals)
 
 
-def _read_parquet_rows(path: str, start: int, count: int) -> pa.Table:
-    file = pq.ParquetFile(path)
+def _read_parquet_rows(path: Location, start: int, count: int) -> pa.Table:
+    file = pq.ParquetFile(path.open())
     groups, first_row, seen = [], None, 0
     for i in range(file.metadata.num_row_groups):
         n = file.metadata.row_group(i).num_rows
@@ -214,9 +241,9 @@ def _read_parquet_rows(path: str, start: int, count: int) -> pa.Table:
     return table.slice(start - first_row, count)
 
 
-def _read_jsonl_rows(path: str, offset: int, count: int, schema: pa.Schema) -> pa.Table:
+def _read_jsonl_rows(path: Location, offset: int, count: int, schema: pa.Schema) -> pa.Table:
     rows = []
-    with open(path, "rb") as handle:
+    with path.open() as handle:
         handle.seek(offset)
         for raw in handle:
             if raw.strip():
@@ -261,7 +288,7 @@ class TableDatasource(Datasource):
             ReadTask(
                 (lambda b=block: read(b)),
                 BlockMetadata(num_rows=len(only.get(block.ordinal, ())) or block.num_rows,
-                              size_bytes=None, input_files=[block.path], exec_stats=None),
+                              size_bytes=None, input_files=[str(block.path)], exec_stats=None),
             )
             for block in self.blocks
         ]

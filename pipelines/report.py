@@ -17,8 +17,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import pyarrow as pa
+
 from pipelines.errors import OutputError
-from pipelines.write import OutputStore, write_atomically
+from pipelines.storage import Location
+from pipelines.write import OutputStore, part_ordinal, read_part
 from udfs import columns
 from udfs.columns import FinishReason
 
@@ -26,9 +29,8 @@ EXAMPLES = 3  # example ids per error kind
 HISTOGRAM_BINS = 20
 
 
-def report_path(output: str | Path) -> Path:
-    output = Path(output)
-    return output.with_name(output.name + ".report.json")
+def report_path(output: str | Path | Location) -> Location:
+    return Location.of(output).sibling(".report.json")
 
 
 def build_report(output: str | Path, record: dict, *, timings: dict | None = None,
@@ -40,9 +42,12 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
 
     config = record.get("config", {})
     key = (config.get("input") or {}).get("id_column") or columns.ROW_ID
-    table = pl.read_parquet(f"{output}/*.parquet", columns=[
-        key, columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
-        columns.COMPLETION_TOKENS])
+    output = Location.of(output)
+    wanted = [key, columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
+              columns.COMPLETION_TOKENS]
+    table = pl.from_arrow(pa.concat_tables(
+        [read_part(output / name, columns=wanted) for name in output.names()
+         if part_ordinal(name) is not None], promote_options="permissive"))
     kinds = table.filter(pl.col(columns.ERROR_KIND).is_not_null())
     errors = {
         kind: {"count": group.height,
@@ -150,9 +155,9 @@ def _times(timings: dict, parts: list[dict]) -> dict:
     }
 
 
-def write_report(output: str | Path, report: dict) -> Path:
+def write_report(output: str | Path | Location, report: dict) -> Location:
     path = report_path(output)
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
+    path.write_text(json.dumps(report, indent=2))
     return path
 
 

@@ -8,6 +8,11 @@ order. When every block is written, the staging directory is renamed to the outp
 crash at any moment leaves either the old state or the new one; the next run of the same job
 picks up the parts already there.
 
+On an object store (``s3://``, ``gs://``: see pipelines/storage.py) each part is one upload,
+whole or absent, but a directory cannot be renamed: the commit copies the staged parts into
+place, and only then marks the record complete. The record says which state the output is in; a
+run interrupted during the commit finishes it when run again.
+
 The output directory holds Parquet parts and nothing else, so that ``pl.read_parquet(OUTPUT)``
 and ``pq.read_table(OUTPUT)`` both read it. The job's own record (its fingerprint, state and
 summary) is a file beside it, ``OUTPUT.overnight.json``.
@@ -17,8 +22,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
+from pipelines.storage import Location
 from udfs import columns
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
@@ -46,27 +50,17 @@ def part_ordinal(name: str) -> int | None:
     return None
 
 
-def write_atomically(path: Path, write) -> None:
-    """Call ``write(tmp_path)``, fsync, then rename onto ``path``: whole or absent."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+def write_atomically(path: Path | Location, write) -> None:
+    """Call ``write(tmp_path)``, then put the file at ``path`` whole (fsync and rename on a
+    local disk, one upload on an object store): whole or absent."""
+    Location.of(path).write(write)
 
 
 @dataclass(frozen=True)
 class PartLayout:
     """Which output columns go where; sent to each writer task."""
 
-    staging: str
+    staging: Location | str
     source_columns: tuple[str, ...]
     added_columns: tuple[str, ...]  # row_id (when added), the text column, GENERATED
     block_starts: tuple[int, ...]  # first ordinal of every planned block, sorted
@@ -74,7 +68,7 @@ class PartLayout:
     # block's rows to re-run); a part is written once all of them have arrived
     block_rows: tuple[int, ...] = ()
     # --retry-errors: the committed output whose parts the re-run rows are merged into
-    merge_from: str | None = None
+    merge_from: Location | str | None = None
     key_column: str = columns.ROW_ID  # the output column that identifies an input row
     text_column: str = "generated"
     dedupe: bool = False  # drop a sample whose text repeats an earlier sample of its row
@@ -106,6 +100,7 @@ class PartWriter:
 
     def __init__(self, layout: PartLayout):
         self.layout = layout
+        self.staging = Location.of(layout.staging)
         self.expected = dict(zip(layout.block_starts, layout.block_rows))
         self.pending: dict[int, list[pa.Table]] = {}
         self.arrived: dict[int, set[int]] = {}
@@ -137,8 +132,8 @@ class PartWriter:
                 part = self._dedupe(part)
             if self.layout.merge_from is not None:
                 part = self._merge(start, block.column(columns.ORDINAL), part)
-            write_atomically(Path(self.layout.staging) / part_name(start),
-                             lambda tmp, part=part: pq.write_table(part, tmp))
+            (self.staging / part_name(start)).write(
+                lambda tmp, part=part: pq.write_table(part, tmp))
             records.append({"part": part_name(start), **_timing(block),
                             **count_part(part, self.layout.key_column)})
         return pa.Table.from_pylist(records, RECORD_SCHEMA)
@@ -146,7 +141,7 @@ class PartWriter:
 
     def _merge(self, start: int, ordinals: pa.Array, rows: pa.Table) -> pa.Table:
         """The committed part of this block with ``rows`` (re-run) in place of the old ones."""
-        old = pq.read_table(Path(self.layout.merge_from) / part_name(start))
+        old = read_part(Location.of(self.layout.merge_from) / part_name(start))
         old_offsets = input_offsets(old.column(self.layout.key_column).to_pylist())
         positions = [o - start for o in ordinals.to_pylist()]  # re-run input rows
         taken = set(positions)
@@ -183,9 +178,14 @@ COUNTED = [columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
            columns.COMPLETION_TOKENS]
 
 
-def summarize_part(path: Path, key_column: str) -> dict:
+def summarize_part(path: Location, key_column: str) -> dict:
     """``count_part`` of a written part, reading only the columns it counts."""
-    return count_part(pq.read_table(path, columns=[*COUNTED, key_column]), key_column)
+    return count_part(read_part(path, columns=[*COUNTED, key_column]), key_column)
+
+
+def read_part(path: Location, columns: list[str] | None = None) -> pa.Table:
+    with path.open() as handle:
+        return pq.read_table(handle, columns=columns)
 
 
 def count_part(part: pa.Table, key_column: str) -> dict:
@@ -210,12 +210,12 @@ def count_part(part: pa.Table, key_column: str) -> dict:
 
 class OutputStore:
     """The output path, its staging directory and its job record; the rules for starting
-    over, resuming and committing."""
+    over, resuming and committing. Paths may be local or on an object store."""
 
-    def __init__(self, path: str):
-        self.path = Path(path)
-        self.staging = self.path.with_name(self.path.name + ".partial")
-        self.record = self.path.with_name(self.path.name + ".overnight.json")
+    def __init__(self, path: str | Location):
+        self.path = Location.of(path)
+        self.staging = self.path.sibling(".partial")
+        self.record = self.path.sibling(".overnight.json")
 
     def read_record(self) -> dict | None:
         try:
@@ -224,17 +224,17 @@ class OutputStore:
             return None
 
     def write_record(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.record, lambda tmp: tmp.write_text(
-            json.dumps(record, indent=2, default=str)))
+        self.path.parent.mkdir()
+        self.record.write_text(json.dumps(record, indent=2, default=str))
 
     def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0) -> set[int]:
         """Prepare staging for this job; return the first ordinals of blocks already written."""
-        if self.path.exists() and not overwrite:
+        record = self.read_record()
+        committing = bool(record) and record.get("state") == "committing"
+        if self.path.exists() and not overwrite and not committing:
             raise OutputError(f"output.path {str(self.path)!r} already exists; "
                               "pass --overwrite to replace it, or choose another path")
-        record = self.read_record()
-        if self.staging.exists() and record and record.get("state") == "running" \
+        if self.staging.exists() and record and record.get("state") in ("running", "committing") \
                 and not overwrite:
             changed = diff_fingerprints(record.get("fingerprint", {}), fingerprint)
             if changed:
@@ -243,16 +243,16 @@ class OutputStore:
                     f"({', '.join(changed)} changed); pass --overwrite to discard it, "
                     "or choose another output.path")
             return self.done_blocks()
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
-        self.staging.mkdir(parents=True)
+        self.staging.remove()
+        self.staging.mkdir()
         self.write_record({"state": "running", "started": time.time(),
                            "rows_total": rows_total, "fingerprint": fingerprint})
         return set()
 
     def open_retry(self, fingerprint: dict, key_column: str) -> dict[int, list[int]]:
         """Stage a re-run of the rows with errors in the committed output. Parts without
-        errors are linked into staging unchanged; returns {block start: input positions}."""
+        errors are linked (copied, on an object store) into staging unchanged; returns
+        {block start: input positions}."""
         record = self.read_record()
         if not self.path.exists() or not record or record.get("state") != "complete":
             raise OutputError(f"--retry-errors: {str(self.path)!r} is not a completed output "
@@ -261,44 +261,51 @@ class OutputStore:
         if changed:
             raise OutputError(f"--retry-errors: {self.path} was written by a different job "
                               f"({', '.join(changed)} changed)")
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
-        self.staging.mkdir(parents=True)
+        self.staging.remove()
+        self.staging.mkdir()
         retry: dict[int, list[int]] = {}
-        for name in sorted(os.listdir(self.path)):
+        for name in self.path.names():
             start = part_ordinal(name)
             if start is None:
                 continue
-            part = pq.read_table(self.path / name, columns=[key_column, columns.ERROR])
+            part = read_part(self.path / name, columns=[key_column, columns.ERROR])
             offsets = input_offsets(part.column(key_column).to_pylist())
             failed = sorted({offsets[i] for i, e in enumerate(part.column(1).to_pylist())
                              if e is not None})
             if failed:
                 retry[start] = failed
             else:
-                os.link(self.path / name, self.staging / name)
+                (self.path / name).copy_to(self.staging / name)
         self.write_record({**record, "state": "retrying", "retry_started": time.time()})
         return retry
 
     def done_blocks(self) -> set[int]:
-        if not self.staging.exists():
-            return set()
-        found = (part_ordinal(name) for name in os.listdir(self.staging))
+        found = (part_ordinal(name) for name in self.staging.names())
         return {o for o in found if o is not None}
 
     def commit(self, record: dict) -> None:
-        """Make the staged parts the output, in one rename, then record the job as complete."""
-        for name in os.listdir(self.staging):  # temporaries left by a killed earlier run
+        """Make the staged parts the output, then record the job as complete. On a local
+        disk that is one rename; on an object store, a copy of each part, after which the
+        record turns complete (an interrupted copy is redone by the next run)."""
+        for name in self.staging.names():  # temporaries left by a killed earlier run
             if part_ordinal(name) is None:
-                (self.staging / name).unlink()
-        old = None
-        if self.path.exists():
-            old = self.path.with_name(f".{self.path.name}.replaced-{uuid.uuid4().hex[:8]}")
-            os.rename(self.path, old)
-        os.rename(self.staging, self.path)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+                (self.staging / name).remove()
+        if self.path.local:
+            old = None
+            if self.path.exists():
+                old = self.path.with_name(f".{self.path.name}.replaced-{uuid.uuid4().hex[:8]}")
+                self.path.rename_to(old)
+            self.staging.rename_to(self.path)
+            if old is not None:
+                old.remove()
+        else:
+            self.write_record({**record, "state": "committing"})
+            self.path.remove()
+            self.path.mkdir()
+            for name in self.staging.names():
+                (self.staging / name).copy_to(self.path / name)
         self.write_record({**record, "state": "complete", "finished": time.time()})
+        self.staging.remove()  # on a local disk, already gone
 
 
 def diff_fingerprints(old: dict, new: dict) -> list[str]:
