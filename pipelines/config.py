@@ -58,6 +58,12 @@ class VLLMEngineConfig(_Strict):
         description="Run the engine core in its own process (vLLM's default); "
         "default: true on a GPU, false on CPU where the two processes fight for cores.",
     )
+    cpu_threads: int | None = Field(
+        None, gt=0,
+        description="On CPU: the engine's compute threads; default: the node's cores shared "
+        "among the replicas on it (Ray would give each actor as many threads as the whole "
+        "CPUs it reserved).",
+    )
     structured_outputs: dict[str, Any] = Field(
         default_factory=lambda: {"backend": "guidance", "disable_any_whitespace": True},
         description="vLLM's structured_outputs_config. The default, guidance without "

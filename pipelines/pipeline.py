@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipelines.config import JobConfig
 from pipelines.errors import JobError, OutputError
@@ -99,8 +99,12 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     ds = ds.map_batches(PromptRenderer, fn_constructor_kwargs={"spec": plan.render},
                         batch_format="pyarrow", batch_size=None, num_cpus=LIGHT_STAGE_CPUS,
                         compute=_pool(1))
+    engine = plan.engine
+    if engine.kind == "vllm" and replicas.cpu_threads and not engine.options.get("cpu_threads"):
+        engine = replace(engine, options={**engine.options,
+                                                      "cpu_threads": replicas.cpu_threads})
     ds = ds.map_batches(Predictor,
-                        fn_constructor_kwargs={"engine": plan.engine, "sampling": plan.sampling,
+                        fn_constructor_kwargs={"engine": engine, "sampling": plan.sampling,
                                                "output_column": plan.config.output.column},
                         # by rows, not whole blocks (Ray Data insists on it for GPU stages):
                         # the writer puts blocks back together

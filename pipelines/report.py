@@ -135,7 +135,8 @@ def _times(timings: dict, parts: list[dict]) -> dict:
         busy = max(r.pop("last_done_at") - r.pop("ready_at"), 1e-9)
         per_replica.append({"node": where.get("node"), "node_id": where.get("node_id"),
                             "actor": where.get("actor"),
-                            "gpus": where.get("gpus", []), **r, "seconds": round(busy, 2),
+                            "gpus": where.get("gpus", []),
+                            "cpu_threads": where.get("cpu_threads"), **r, "seconds": round(busy, 2),
                             "output_tokens_per_s": round(r["output_tokens"] / busy, 1)})
     timeline = sorted(({"t": round(p["done_at"] - started, 2), "rows": p["rows"],
                         "output_tokens": p["completion_tokens"]} for p in generated),
@@ -198,7 +199,8 @@ def report_lines(report: dict) -> list[str]:
         lines.append(f"throughput   {th['output_tokens_per_s']:,.0f} output tok/s over the "
                      "generation")
         for r in th["per_replica"]:
-            gpus = ",".join(r["gpus"]) or "-"
+            gpus = ",".join(r["gpus"]) or (f"- ({r['cpu_threads']} CPU threads)"
+                                           if r.get("cpu_threads") else "-")
             lines.append(f"  replica {r['node']} node {r.get('node_id')} actor {r['actor']} "
                          f"gpus {gpus}: "
                          f"{r['rows']} rows, {r['output_tokens']:,} tok, "

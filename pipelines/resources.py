@@ -29,6 +29,9 @@ class ReplicaPlan:
     # the actor then asks for no GPU of its own and vLLM's workers take the group's bundles.
     group_gpus: int = 0
     accelerator_type: str | None = None
+    # CPU engines: compute threads each (the node's cores shared among its replicas), where
+    # Ray would set an actor's threads to its whole reserved CPUs
+    cpu_threads: int | None = None
 
     def remote_args(self) -> dict:
         """Ray resource arguments for the predictor's ``map_batches``."""
@@ -125,7 +128,10 @@ def plan_replicas(config: JobConfig) -> ReplicaPlan:
         if per_replica < 2 * LIGHT_STAGE_CPUS:
             raise JobError(f"resources.replicas {replicas}: the Ray cluster has {cpus:g} CPUs "
                            "and no GPU; use replicas: auto")
-        return ReplicaPlan(replicas, 0, per_replica)
+        nodes = _cpus_per_node()
+        per_node = -(-replicas // max(len(nodes), 1))  # SPREAD: as even as it gets
+        threads = max(1, int(min(nodes, default=cpus) // per_node))
+        return ReplicaPlan(replicas, 0, per_replica, cpu_threads=threads)
     fit = sum(int(n) // per for n in _gpus_per_node())  # a replica's GPUs share one node
     if fit == 0:
         raise JobError(f"an engine of tensor_parallel_size x pipeline_parallel_size = {per} "
@@ -144,6 +150,12 @@ def _gpus_per_node() -> list[float]:
     import ray
 
     return [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+
+
+def _cpus_per_node() -> list[float]:
+    import ray
+
+    return [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
 
 
 def check_paths_shared(paths: list[str]) -> None:

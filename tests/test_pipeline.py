@@ -163,6 +163,9 @@ def test_report_numbers_match_the_output(job):
     (replica,) = report["throughput"]["per_replica"]  # one CPU engine
     assert replica["rows"] == len(ROWS) and replica["output_tokens"] == output["total"]
     assert replica["gpus"] == [] and replica["node"]
+    # the engine's actor reserved 1 of Ray's 2 CPUs (the light stages hold fractions), yet
+    # computes with both cores: Ray alone would have given it one OpenMP thread
+    assert replica["cpu_threads"] == 2
     assert sum(e["output_tokens"] for e in report["timeline"]) == output["total"]
     assert report["model"]["name"] == config.model.name
     assert report["fingerprint"] == json.loads((root / "out.overnight.json").read_text())[

@@ -48,8 +48,10 @@ class Predictor:
     """``map_batches`` callable class: builds the engine in ``__init__`` from a picklable spec."""
 
     def __init__(self, engine: EngineSpec, sampling: SamplingSpec, output_column: str):
-        self.replica = replica_label()  # before the engine takes its placement group's GPUs
+        where = replica_label()  # before the engine takes its placement group's GPUs
         self.engine = build_engine(engine)
+        threads = getattr(self.engine, "cpu_threads", None)  # a CPU engine's compute threads
+        self.replica = json.dumps({**where, "cpu_threads": threads} if threads else where)
         self.sampling = sampling
         self.output_column = output_column
         self.ready_at = time.time()
@@ -129,16 +131,16 @@ class Predictor:
 
 
 def replica_label() -> str:
-    """This replica as the run report names it: node address, actor, accelerators (JSON)."""
+    """This replica as the run report names it: node address, actor, accelerators."""
     import ray
 
     if not ray.is_initialized():
-        return json.dumps({"node": "local", "actor": None, "gpus": []})
+        return {"node": "local", "actor": None, "gpus": []}
     ctx = ray.get_runtime_context()
     actor = ctx.get_actor_id()
     gpus = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])] or _group_gpus()
-    return json.dumps({"node": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id()[:12],
-                       "actor": actor[:12] if actor else None, "gpus": sorted(gpus)})
+    return {"node": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id()[:12],
+            "actor": actor[:12] if actor else None, "gpus": sorted(gpus)}
 
 
 def _group_gpus() -> list[str]:

@@ -24,12 +24,19 @@ def on_cpu() -> bool:
 
 class VLLMEngine:
     """Options (``spec.options``): max_model_len, dtype, tensor_parallel_size, trust_remote_code,
-    kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, multiprocessing,
+    kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, multiprocessing, cpu_threads,
     structured_outputs, args."""
 
     def __init__(self, spec: EngineSpec):
         opts = dict(spec.options)
         multiprocessing = opts.pop("multiprocessing", None)
+        threads = opts.pop("cpu_threads", None)  # given for CPU engines only
+        if threads:
+            # Ray sets an actor's OpenMP threads to the whole CPUs it reserved (1 on a small
+            # machine, where the light stages hold the rest as fractions): the engine's
+            # matmuls and attention kernels would use one core of the node's several. Set
+            # before vllm (and torch, and OpenMP) load, which read it once.
+            os.environ["OMP_NUM_THREADS"] = str(threads)
         # Must be set before vllm is imported. On 2 CPU cores the engine-core process and its
         # worker fight for the cores; in process it starts in 3 s instead of 24.
         if multiprocessing is not None:
@@ -51,6 +58,13 @@ class VLLMEngine:
         cpu = on_cpu()
         if multiprocessing is None and cpu:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.cpu_threads = None
+        if cpu:
+            import torch
+
+            if threads:
+                torch.set_num_threads(threads)  # in case torch was loaded before
+            self.cpu_threads = torch.get_num_threads()
         kwargs = dict(
             model=spec.model,
             tokenizer=spec.model,
