@@ -11,7 +11,8 @@ output lengths drawn from [--min-tokens, --max-tokens] (ignore_eos, so lengths a
   3. overnight: ``overnight run`` end to end, Parquet to Parquet, through Ray Data.
 Each runs in its own fresh process. Reported: output tokens/s over the generation (1, 2) and
 over the whole command (1, 2, 3), the ratios 3/1 and 3/2, time to first committed part, and
-the peak RSS of the pipeline's whole process tree (driver, Ray, workers) at two input sizes.
+the peak memory (PSS, and RSS) of the pipeline's whole process tree (driver, Ray, workers) at
+two input sizes.
 The greedy texts of 3 are compared with those of 1, row for row.
 """
 
@@ -47,7 +48,7 @@ def make_input(path: Path, rows: int, lo: int, hi: int, seed: int = 0) -> None:
 
 
 def job(model: str, source: Path, out: Path, hi: int, batch_size: int, dtype: str,
-        blocks_in_flight: int = 4) -> dict:
+        blocks_in_flight: int = 4, kv_cache_bytes: int = 1 << 30) -> dict:
     return {
         "input": {"path": str(source), "id_column": "id"},
         "model": {"name": model, "max_model_len": 1024, "dtype": dtype},
@@ -55,7 +56,7 @@ def job(model: str, source: Path, out: Path, hi: int, batch_size: int, dtype: st
         "sampling": {"temperature": 0.0, "max_tokens": hi, "max_tokens_column": "max_tokens",
                      "ignore_eos": True},
         "output": {"path": str(out), "column": "text_out"},
-        "engine": {"kv_cache_memory_bytes": 1 << 30},
+        "engine": {"kv_cache_memory_bytes": kv_cache_bytes},
         "resources": {"batch_size": batch_size, "blocks_in_flight": blocks_in_flight},
     }
 
@@ -104,21 +105,25 @@ def reference(mode: str, spec_path: str) -> None:
     }))
 
 
-def tree_rss(pid: int) -> int:
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) summed over a process tree. RSS counts a page shared by several processes
+    (Ray's object store, mapped by the driver and every worker; shared libraries) once per
+    process; PSS splits it among them, so its sum is the tree's real footprint."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, 0
+    rss = pss = 0
     for p in procs:
         try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
+            info = p.memory_full_info()
+            rss, pss = rss + info.rss, pss + info.pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    return total
+    return rss, pss
 
 
 def run_pipeline(config: dict, work: Path, name: str) -> dict:
@@ -132,12 +137,13 @@ def run_pipeline(config: dict, work: Path, name: str) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(path),
                              "--quiet", "--overwrite"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, first_part = 0, None
+    peak, peak_pss, first_part = 0, 0, None
 
     def sample():
-        nonlocal peak, first_part
+        nonlocal peak, peak_pss, first_part
         while proc.poll() is None:
-            peak = max(peak, tree_rss(proc.pid))
+            rss, pss = tree_memory(proc.pid)
+            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
             if first_part is None and staging.exists() and any(staging.glob("part-*")):
                 first_part = time.time() - started
             time.sleep(0.25)
@@ -149,7 +155,7 @@ def run_pipeline(config: dict, work: Path, name: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"overnight run failed:\n{stderr[-2000:]}")
     return {"process_start_to_done_s": time.time() - started, "first_part_s": first_part,
-            "peak_rss_mib": peak / 2**20, "stdout": stdout}
+            "peak_rss_mib": peak / 2**20, "peak_pss_mib": peak_pss / 2**20, "stdout": stdout}
 
 
 def generation_window(report_path: Path) -> dict:
@@ -170,6 +176,12 @@ def main() -> None:
     ap.add_argument("--blocks-in-flight", type=int, default=4)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--mem-rows", type=int, nargs=2, default=[2000, 20000])
+    ap.add_argument("--mem-kv-mib", type=int, default=128,
+                    help="KV cache of the memory runs. vLLM allocates it up front but on CPU "
+                    "its pages become resident only as prefix-cached blocks first use them: "
+                    "a cache larger than the small run's tokens makes the larger run look "
+                    "like growth until the cache is all touched")
+    ap.add_argument("--only", choices=["throughput", "memory"])
     ap.add_argument("--work", default=str(REPO / "benchmarks" / ".work"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "throughput.json"))
     args = ap.parse_args()
@@ -192,6 +204,9 @@ def main() -> None:
                                 "batch_size": args.batch_size}))
 
     results = {}
+    if args.only == "memory":
+        report_memory(args, measure_memory(args, work))
+        return
     for mode in ("ceiling", "naive"):
         print(f"running {mode} ...", file=sys.stderr)
         out = subprocess.run([sys.executable, __file__, "_reference", mode, str(spec)],
@@ -207,6 +222,13 @@ def main() -> None:
     pipe["identical_to_ceiling"] = out["text_out"].to_list() == results["ceiling"]["texts"]
     results["overnight"] = pipe
 
+    memory = {} if args.only == "throughput" else measure_memory(args, work)
+    report(args, results, memory)
+
+
+def measure_memory(args, work: Path) -> dict:
+    from pipelines.tiny_model import build_tiny_model
+
     memory = {}
     tiny = work / "tiny-model"
     if not (tiny / "config.json").exists():
@@ -215,10 +237,11 @@ def main() -> None:
         print(f"memory at {rows} rows ...", file=sys.stderr)
         src = work / f"mem-{rows}.parquet"
         make_input(src, rows, 4, 8, seed=1)
-        mem_config = job(str(tiny), src, work / f"mem-out-{rows}", 8, 256, "float32")
+        mem_config = job(str(tiny), src, work / f"mem-out-{rows}", 8, 256, "float32",
+                         kv_cache_bytes=args.mem_kv_mib << 20)
         memory[rows] = run_pipeline(mem_config, work, f"mem-{rows}")
-
-    report(args, results, memory)
+        memory[rows].pop("stdout", None)
+    return memory
 
 
 def report(args, results: dict, memory: dict) -> None:
@@ -252,22 +275,35 @@ def report(args, results: dict, memory: dict) -> None:
         print(f"ratio {k}: {v:.2f}")
     print(f"time to first committed part: {o['first_part_s']:.1f} s")
     print(f"greedy texts identical to the ceiling's, row for row: {o['identical_to_ceiling']}")
-    sizes = sorted(memory)
-    for rows in sizes:
-        print(f"peak RSS, process tree, {rows} rows: {memory[rows]['peak_rss_mib']:.0f} MiB "
-              f"({memory[rows]['process_start_to_done_s']:.0f} s)")
-    growth = memory[sizes[1]]["peak_rss_mib"] / memory[sizes[0]]["peak_rss_mib"] - 1
-    print(f"memory growth {sizes[0]} -> {sizes[1]} rows: {100 * growth:+.1f}%")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for r in results.values():
         r.pop("texts", None)
         r.pop("stdout", None)
-    for m in memory.values():
-        m.pop("stdout", None)
-    Path(args.out).write_text(json.dumps({
-        "args": vars(args), "output_tokens": tok, "results": results, "ratios": ratios,
-        "memory": {str(k): v for k, v in memory.items()}, "memory_growth": growth,
-    }, indent=2))
+    write(args, {"output_tokens": tok, "results": results, "ratios": ratios,
+                 **(report_memory(args, memory) if memory else {})})
+
+
+def report_memory(args, memory: dict) -> dict:
+    """Prints the memory lines; returns them for the JSON (also alone, with --only memory)."""
+    sizes = sorted(memory)
+    for rows in sizes:
+        m = memory[rows]
+        print(f"peak memory, process tree, {rows} rows: PSS {m['peak_pss_mib']:.0f} MiB, "
+              f"RSS {m['peak_rss_mib']:.0f} MiB ({m['process_start_to_done_s']:.0f} s; "
+              f"KV cache {args.mem_kv_mib} MiB)")
+    growth = memory[sizes[1]]["peak_pss_mib"] / memory[sizes[0]]["peak_pss_mib"] - 1
+    rss_growth = memory[sizes[1]]["peak_rss_mib"] / memory[sizes[0]]["peak_rss_mib"] - 1
+    print(f"memory growth {sizes[0]} -> {sizes[1]} rows: PSS {100 * growth:+.1f}% "
+          f"(RSS {100 * rss_growth:+.1f}%)")
+    out = {"memory": {str(k): v for k, v in memory.items()}, "memory_growth": growth,
+           "memory_growth_rss": rss_growth}
+    if args.only == "memory":
+        write(args, out)
+    return out
+
+
+def write(args, result: dict) -> None:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), **result}, indent=2))
     print(f"wrote {args.out}")
 
 

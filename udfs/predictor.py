@@ -116,6 +116,7 @@ class Predictor:
         if expand:
             batch = batch.append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
         rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
+        release_free_memory()
         return (batch
                 .append_column(columns.REPLICA, rows_of(self.replica, pa.string()))
                 .append_column(columns.READY_AT, rows_of(self.ready_at, pa.float64()))
@@ -130,7 +131,29 @@ class Predictor:
         self.engine.close()
 
 
-def replica_label() -> str:
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system. glibc keeps what a block's requests,
+    tensors and Arrow buffers freed, and over a long job that grew the engine's actor by
+    several MiB a block while bare vLLM stayed flat; trimmed after each block it levels off.
+    A no-op where the C library is not glibc."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
+
+
+def replica_label() -> dict:
     """This replica as the run report names it: node address, actor, accelerators."""
     import ray
 
