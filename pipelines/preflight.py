@@ -48,10 +48,14 @@ def plan_job(config: JobConfig) -> JobPlan:
         _, variables = _compile(config.prompt.template)
     structured = _structured(config)
     try:
-        Location.of(config.output.path)
+        output = Location.of(config.output.path)
     except ValueError as exc:
         raise ConfigError(f"output.path {redact(config.output.path)!r}: "
                           f"{' '.join(str(exc).split())}") from None
+    if not output.local and "/" not in output.path.strip("/"):
+        # the staging directory and the record sit beside the output: in the same bucket
+        raise ConfigError(f"output.path {str(output)!r}: name a folder inside the bucket, "
+                          f"e.g. {str(output).rstrip('/')}/out")
     plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
                       config.input.id_column)
     _check_columns(config, plan, variables)

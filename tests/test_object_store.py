@@ -113,3 +113,16 @@ def test_unreachable_or_missing_input_is_one_clear_line(s3):
     with pytest.raises(JobError, match="input.path 's3://bucket/missing.parquet': no such"):
         resolve_files(s3("missing.parquet"))
     assert str(Location.of(s3("a/b"))) == "s3://bucket/a/b"
+
+
+def test_an_output_at_a_bucket_root_is_refused_before_anything_runs(tmp_path):
+    from pipelines.errors import ConfigError
+    from pipelines.preflight import plan_job
+
+    (tmp_path / "in.jsonl").write_text('{"t": "x"}\n')
+    config = load_config({"input": {"path": str(tmp_path / "in.jsonl")}, "model": {"name": "m"},
+                          "prompt": {"template": "{{ t }}"},
+                          "output": {"path": "s3://key:secret@bucket/?region=us-east-1"}})
+    with pytest.raises(ConfigError, match=r"output.path 's3://bucket': name a folder inside "
+                                          r"the bucket, e.g. s3://bucket/out"):
+        plan_job(config)
