@@ -63,8 +63,10 @@ class VLLMEngine:
             import torch
 
             if threads:
-                torch.set_num_threads(threads)  # in case torch was loaded before
+                torch.set_num_threads(threads)  # in case OpenMP was loaded before
             self.cpu_threads = torch.get_num_threads()
+            # vLLM stubs out torch.set_num_threads once built: keep the real one
+            self.set_num_threads = torch.set_num_threads
         kwargs = dict(
             model=spec.model,
             tokenizer=spec.model,
@@ -189,6 +191,11 @@ class _Stepper:
     def _run(self) -> None:
         llm_engine = self.engine.llm.llm_engine
         try:
+            if self.engine.cpu_threads:
+                # OpenMP keeps its thread count per thread, and a new thread starts from the
+                # process default: make this one's the count the engine was built with
+                # (vLLM's CPU attention checks that its plan and its kernel agree)
+                self.engine.set_num_threads(self.engine.cpu_threads)
             while not self.stopping:
                 while not self.inbox.empty():
                     self._add(self.inbox.get())
