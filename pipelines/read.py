@@ -151,7 +151,7 @@ def _unify(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
 
 def _scan_parquet(file, ordinal, block_rows, id_column, ids):
     try:
-        meta = pq.ParquetFile(file.open())
+        meta = _parquet(file)
         num_rows = meta.metadata.num_rows
         schema = meta.schema_arrow
         if id_column is not None and id_column in schema.names:
@@ -229,7 +229,7 @@ def read_block(block: Block, schema: pa.Schema) -> pa.Table:
 
 
 def _read_parquet_rows(path: Location, start: int, count: int) -> pa.Table:
-    file = pq.ParquetFile(path.open())
+    file = _parquet(path)
     groups, first_row, seen = [], None, 0
     for i in range(file.metadata.num_row_groups):
         n = file.metadata.row_group(i).num_rows
@@ -239,6 +239,11 @@ def _read_parquet_rows(path: Location, start: int, count: int) -> pa.Table:
         seen += n
     table = file.read_row_groups(groups)
     return table.slice(start - first_row, count)
+
+
+def _parquet(file: Location) -> pq.ParquetFile:
+    """A local file by path (Arrow opens and closes it), a remote one through its filesystem."""
+    return pq.ParquetFile(file.path if file.local else file.open())
 
 
 def _read_jsonl_rows(path: Location, offset: int, count: int, schema: pa.Schema) -> pa.Table:
