@@ -9,9 +9,11 @@ output lengths drawn from [--min-tokens, --max-tokens] (ignore_eos, so lengths a
   2. naive:   a loop of ``LLM.generate`` over fixed batches of --batch-size, each waiting for
               its longest sequence (what a per-block predictor does);
   3. overnight: ``overnight run`` end to end, Parquet to Parquet, through Ray Data.
-Each runs in its own fresh process. Reported: output tokens/s over the generation (1, 2) and
-over the whole command (1, 2, 3), the ratios 3/1 and 3/2, time to first committed part, and
-the peak memory (PSS, and RSS) of the pipeline's whole process tree (driver, Ray, workers) at
+Each runs in its own fresh process; the three run in turn, --repeat rounds (a shared machine's
+speed drifts over minutes: each round's ratios compare neighbours). Reported, as medians: output
+tokens/s over the generation and over the whole command, the ratios 3/1 and 3/2, time to first
+committed part; then, in runs of their own (memory is not sampled in the timed runs), the peak
+memory (PSS, and RSS) of the pipeline's whole process tree (driver, Ray, workers) at
 two input sizes.
 The greedy texts of 3 are compared with those of 1, row for row.
 """
@@ -27,6 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -105,29 +108,53 @@ def reference(mode: str, spec_path: str) -> None:
     }))
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) summed over a process tree. RSS counts a page shared by several processes
-    (Ray's object store, mapped by the driver and every worker; shared libraries) once per
-    process; PSS splits it among them, so its sum is the tree's real footprint."""
+def tree_sample(pid: int, cpu: dict, memory: bool = True) -> tuple[int, int, dict[str, int]]:
+    """(RSS, PSS, PSS by role) summed over a process tree. RSS counts a page shared by several
+    processes (Ray's object store, mapped by the driver and every worker; shared libraries)
+    once per process; PSS splits it among them, so its sum is the tree's real footprint. The
+    role is what a process is: the driver, gcs_server, raylet, or a Ray worker's title
+    (``ray::MapWorker(Predictor)``), so that growth can be traced to the process it is in.
+    Each process's CPU seconds so far are kept in ``cpu``, by pid, with its role. Reading a
+    process's memory (its smaps) costs the reader real CPU, which on 2 cores is taken from
+    the engine: without ``memory`` only the CPU times (cheap) are read."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0, 0
+        return 0, 0, {}
     rss = pss = 0
+    roles: dict[str, int] = {}
     for p in procs:
         try:
+            role = "driver" if p.pid == pid else _role(p.cmdline())
+            times = p.cpu_times()
+            cpu[p.pid] = (role, times.user + times.system)
+            if not memory:
+                continue
             info = p.memory_full_info()
-            rss, pss = rss + info.rss, pss + info.pss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return rss, pss
+            continue
+        rss, pss = rss + info.rss, pss + info.pss
+        roles[role] = roles.get(role, 0) + info.pss
+    return rss, pss, roles
 
 
-def run_pipeline(config: dict, work: Path, name: str) -> dict:
-    """``overnight run`` in a fresh process; samples its process tree's RSS."""
+def _role(cmdline: list[str]) -> str:
+    line = " ".join(cmdline)
+    if line.startswith("ray::"):
+        return line.split()[0]
+    for name in ("gcs_server", "raylet", "dashboard", "log_monitor", "runtime_env",
+                 "monitor.py"):
+        if name in line:
+            return name
+    return (cmdline[0].rsplit("/", 1)[-1] if cmdline else "?") + " (other)"
+
+
+def run_pipeline(config: dict, work: Path, name: str, memory: bool) -> dict:
+    """``overnight run`` in a fresh process; samples its process tree's CPU times, and with
+    ``memory`` its RSS and PSS (4 times a second: not in a timed run, see tree_sample)."""
     import yaml
 
     path = work / f"{name}.yaml"
@@ -137,16 +164,18 @@ def run_pipeline(config: dict, work: Path, name: str) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(path),
                              "--quiet", "--overwrite"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, peak_pss, first_part = 0, 0, None
+    peak, peak_pss, first_part, by_role, cpu = 0, 0, None, {}, {}
 
     def sample():
         nonlocal peak, peak_pss, first_part
         while proc.poll() is None:
-            rss, pss = tree_memory(proc.pid)
+            rss, pss, roles = tree_sample(proc.pid, cpu, memory)
             peak, peak_pss = max(peak, rss), max(peak_pss, pss)
+            for role, size in roles.items():
+                by_role[role] = max(by_role.get(role, 0), size)
             if first_part is None and staging.exists() and any(staging.glob("part-*")):
                 first_part = time.time() - started
-            time.sleep(0.25)
+            time.sleep(0.25 if memory else 1.0)
 
     watcher = threading.Thread(target=sample)
     watcher.start()
@@ -154,8 +183,21 @@ def run_pipeline(config: dict, work: Path, name: str) -> dict:
     watcher.join()
     if proc.returncode != 0:
         raise SystemExit(f"overnight run failed:\n{stderr[-2000:]}")
-    return {"process_start_to_done_s": time.time() - started, "first_part_s": first_part,
-            "peak_rss_mib": peak / 2**20, "peak_pss_mib": peak_pss / 2**20, "stdout": stdout}
+    out = {"process_start_to_done_s": time.time() - started, "first_part_s": first_part,
+           "cpu_s_by_process": _cpu_by_role(cpu), "stdout": stdout}
+    if memory:
+        out.update({"peak_rss_mib": peak / 2**20, "peak_pss_mib": peak_pss / 2**20,
+                    "peak_pss_mib_by_process": {k: round(v / 2**20, 1) for k, v in
+                                                sorted(by_role.items(), key=lambda kv: -kv[1])}})
+    return out
+
+
+def _cpu_by_role(cpu: dict) -> dict[str, float]:
+    """CPU seconds (user + system) each kind of process used, as last sampled."""
+    out: dict[str, float] = {}
+    for role, seconds in cpu.values():
+        out[role] = out.get(role, 0.0) + seconds
+    return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 def generation_window(report_path: Path) -> dict:
@@ -173,7 +215,8 @@ def main() -> None:
     ap.add_argument("--min-tokens", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--blocks-in-flight", type=int, default=4)
+    ap.add_argument("--blocks-in-flight", type=int, default=16,
+                    help="64 x 16 = 1024 rows in the engine, as a job's defaults (256 x 4)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--mem-rows", type=int, nargs=2, default=[2000, 20000])
     ap.add_argument("--mem-kv-mib", type=int, default=128,
@@ -181,6 +224,8 @@ def main() -> None:
                     "its pages become resident only as prefix-cached blocks first use them: "
                     "a cache larger than the small run's tokens makes the larger run look "
                     "like growth until the cache is all touched")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="rounds of (ceiling, naive, overnight); medians are reported")
     ap.add_argument("--only", choices=["throughput", "memory"])
     ap.add_argument("--work", default=str(REPO / "benchmarks" / ".work"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "throughput.json"))
@@ -203,27 +248,35 @@ def main() -> None:
                                 "prompts": prompts, "max_tokens": caps,
                                 "batch_size": args.batch_size}))
 
-    results = {}
     if args.only == "memory":
         report_memory(args, measure_memory(args, work))
         return
-    for mode in ("ceiling", "naive"):
-        print(f"running {mode} ...", file=sys.stderr)
-        out = subprocess.run([sys.executable, __file__, "_reference", mode, str(spec)],
-                             capture_output=True, text=True, cwd=REPO, check=True)
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    print("running overnight ...", file=sys.stderr)
-    pipe = run_pipeline(config, work, "pipeline")
+    # The three, in turn, --repeat times: a shared machine's speed drifts by tens of percent
+    # over minutes, so each round's ratios compare neighbours, and the medians are reported.
+    rounds = []
+    for i in range(args.repeat):
+        results = {}
+        for mode in ("ceiling", "naive"):
+            print(f"round {i + 1}/{args.repeat}: {mode} ...", file=sys.stderr)
+            out = subprocess.run([sys.executable, __file__, "_reference", mode, str(spec)],
+                                 capture_output=True, text=True, cwd=REPO, check=True)
+            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"round {i + 1}/{args.repeat}: overnight ...", file=sys.stderr)
+        results["overnight"] = run_overnight(config, work, results["ceiling"]["texts"])
+        rounds.append(results)
+    memory = {} if args.only == "throughput" else measure_memory(args, work)
+    report(args, rounds, memory)
+
+
+def run_overnight(config: dict, work: Path, ceiling_texts: list[str]) -> dict:
     import polars as pl
 
+    pipe = run_pipeline(config, work, "pipeline", memory=False)
     out = pl.read_parquet(work / "out")
     pipe["tokens"] = int(out["completion_tokens"].sum())
     pipe.update(generation_window(work / "out.report.json"))
-    pipe["identical_to_ceiling"] = out["text_out"].to_list() == results["ceiling"]["texts"]
-    results["overnight"] = pipe
-
-    memory = {} if args.only == "throughput" else measure_memory(args, work)
-    report(args, results, memory)
+    pipe["identical_to_ceiling"] = out["text_out"].to_list() == ceiling_texts
+    return pipe
 
 
 def measure_memory(args, work: Path) -> dict:
@@ -239,46 +292,51 @@ def measure_memory(args, work: Path) -> dict:
         make_input(src, rows, 4, 8, seed=1)
         mem_config = job(str(tiny), src, work / f"mem-out-{rows}", 8, 256, "float32",
                          kv_cache_bytes=args.mem_kv_mib << 20)
-        memory[rows] = run_pipeline(mem_config, work, f"mem-{rows}")
+        memory[rows] = run_pipeline(mem_config, work, f"mem-{rows}", memory=True)
         memory[rows].pop("stdout", None)
     return memory
 
 
-def report(args, results: dict, memory: dict) -> None:
-    c, n, o = results["ceiling"], results["naive"], results["overnight"]
-    tok = c["tokens"]
-    rows = [
-        ("1 ceiling: LLM.generate, one call", c["generate_s"], c["process_start_to_done_s"]),
-        (f"2 naive: LLM.generate per {args.batch_size} rows", n["generate_s"],
-         n["process_start_to_done_s"]),
-        ("3 overnight run, Parquet to Parquet", o["generate_s"], o["process_start_to_done_s"]),
-    ]
+def report(args, rounds: list[dict], memory: dict) -> None:
+    tok = rounds[0]["ceiling"]["tokens"]
+    names = {"ceiling": "1 ceiling: LLM.generate, one call",
+             "naive": f"2 naive: LLM.generate per {args.batch_size} rows",
+             "overnight": "3 overnight run, Parquet to Parquet"}
     print(f"\n{args.rows} prompts, output lengths {args.min_tokens}..{args.max_tokens} "
           f"(ignore_eos), {tok} output tokens, bench model (hidden 512, 6 layers), "
-          f"{args.dtype}, CPU")
+          f"{args.dtype}, CPU; median of {len(rounds)} rounds")
     print("(generate s: the generation window; for overnight, from its run report: first "
           "engine ready -> last block generated)")
     print(f"{'':42} {'generate s':>11} {'tok/s':>8} {'process s':>10} {'tok/s':>8}")
-    for name, gen, whole in rows:
-        g = f"{gen:11.1f} {tok / gen:8.0f}" if gen else f"{'':11} {'':8}"
-        print(f"{name:42} {g} {whole:10.1f} {tok / whole:8.0f}")
-    whole = {k: v["process_start_to_done_s"] for k, v in results.items()}
-    ceiling_rate, naive_rate = tok / c["generate_s"], tok / n["generate_s"]
-    ratios = {
-        "3/1 whole process": whole["ceiling"] / whole["overnight"],
-        "3/2 whole process": whole["naive"] / whole["overnight"],
-    }
-    pipe_rate = tok / o["generate_s"]  # engine ready -> last block (its run report)
-    ratios["3/1 generation"] = pipe_rate / ceiling_rate
-    ratios["3/2 generation"] = pipe_rate / naive_rate
+    for mode, name in names.items():
+        gen = median(r[mode]["generate_s"] for r in rounds)
+        whole = median(r[mode]["process_start_to_done_s"] for r in rounds)
+        print(f"{name:42} {gen:11.1f} {tok / gen:8.0f} {whole:10.1f} {tok / whole:8.0f}")
+    per_round = [{
+        "3/1 generation": r["ceiling"]["generate_s"] / r["overnight"]["generate_s"],
+        "3/2 generation": r["naive"]["generate_s"] / r["overnight"]["generate_s"],
+        "3/1 whole process": (r["ceiling"]["process_start_to_done_s"]
+                              / r["overnight"]["process_start_to_done_s"]),
+        "3/2 whole process": (r["naive"]["process_start_to_done_s"]
+                              / r["overnight"]["process_start_to_done_s"]),
+    } for r in rounds]
+    ratios = {k: median(p[k] for p in per_round) for k in per_round[0]}
     for k, v in ratios.items():
-        print(f"ratio {k}: {v:.2f}")
-    print(f"time to first committed part: {o['first_part_s']:.1f} s")
-    print(f"greedy texts identical to the ceiling's, row for row: {o['identical_to_ceiling']}")
-    for r in results.values():
-        r.pop("texts", None)
-        r.pop("stdout", None)
-    write(args, {"output_tokens": tok, "results": results, "ratios": ratios,
+        each = ", ".join(f"{p[k]:.2f}" for p in per_round)
+        print(f"ratio {k}: {v:.2f} (rounds: {each})")
+    first = median(r["overnight"]["first_part_s"] or float("nan") for r in rounds)
+    print(f"time to first committed part: {first:.1f} s")
+    identical = all(r["overnight"]["identical_to_ceiling"] for r in rounds)
+    print(f"greedy texts identical to the ceiling's, row for row: {identical}")
+    cpu = rounds[-1]["overnight"]["cpu_s_by_process"]
+    print("CPU seconds of the pipeline's processes (last round, whole run): " + ", ".join(
+        f"{role} {s:.0f}" for role, s in list(cpu.items())[:8]))
+    for r in rounds:
+        for result in r.values():
+            result.pop("texts", None)
+            result.pop("stdout", None)
+    write(args, {"output_tokens": tok, "rounds": rounds, "ratios": ratios,
+                 "ratios_per_round": per_round, "identical_to_ceiling": identical,
                  **(report_memory(args, memory) if memory else {})})
 
 
@@ -290,6 +348,9 @@ def report_memory(args, memory: dict) -> dict:
         print(f"peak memory, process tree, {rows} rows: PSS {m['peak_pss_mib']:.0f} MiB, "
               f"RSS {m['peak_rss_mib']:.0f} MiB ({m['process_start_to_done_s']:.0f} s; "
               f"KV cache {args.mem_kv_mib} MiB)")
+    small, large = (memory[n].get("peak_pss_mib_by_process", {}) for n in sizes)
+    for role in sorted(large, key=lambda r: -(large[r] - small.get(r, 0)))[:6]:
+        print(f"  {role:40} peak PSS {small.get(role, 0):7.0f} -> {large[role]:7.0f} MiB")
     growth = memory[sizes[1]]["peak_pss_mib"] / memory[sizes[0]]["peak_pss_mib"] - 1
     rss_growth = memory[sizes[1]]["peak_rss_mib"] / memory[sizes[0]]["peak_rss_mib"] - 1
     print(f"memory growth {sizes[0]} -> {sizes[1]} rows: PSS {100 * growth:+.1f}% "
