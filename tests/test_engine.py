@@ -71,3 +71,11 @@ def test_regex_and_choice_constrain_the_engine(vllm_engine):
                                                      structured={"choice": ["yes", "no"]})
                                    for i, p in enumerate(prompts)])
     assert {r.text for r in choice} <= {"yes", "no"}
+
+
+def test_an_engine_that_cannot_be_built_says_why_from_its_constructor(tiny_model):
+    # On CPU the engine is built in its stepper thread (udfs/vllm_engine.py): the error must
+    # still reach the caller, not die with the thread and leave the caller waiting
+    with pytest.raises(Exception, match="max_model_len"):
+        build_engine(EngineSpec("vllm", tiny_model, {
+            "dtype": "float32", "max_model_len": 10**6, "kv_cache_memory_bytes": KV_CACHE}))

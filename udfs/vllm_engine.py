@@ -95,8 +95,10 @@ class VLLMEngine:
         kwargs.update(opts.pop("args", {}))
         if opts:
             raise ValueError(f"unknown vllm engine options: {sorted(opts)}")
-        self.llm = vllm.LLM(**{k: v for k, v in kwargs.items() if v is not None})
-        self._stepper = _Stepper(self)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        self.llm = None
+        # On CPU the stepper thread builds the engine as well as running it: see _Stepper
+        self._stepper = _Stepper(self, build=lambda: vllm.LLM(**kwargs), build_there=cpu)
 
     def _sampling_params(self, req: GenerationRequest):
         return self._vllm.SamplingParams(
@@ -163,9 +165,16 @@ class _Batch:
 class _Stepper:
     """The one thread that touches the engine: it adds each arriving batch's requests and
     steps the engine while any request is unfinished. New blocks join the running batch
-    at the next step, so the engine never drains at a block boundary."""
+    at the next step, so the engine never drains at a block boundary.
 
-    def __init__(self, engine: VLLMEngine):
+    On CPU it builds the engine too. OpenMP gives each thread that runs parallel work a team
+    of its own, and once a process has more OpenMP threads than cores, libgomp stops its
+    threads spinning between parallel regions: they sleep, and every region waits for them
+    to wake. A CPU engine built in one thread and run in another had two teams, and ran at
+    0.8 of bare vLLM's speed (its second core a third idle); built and run in one thread, it
+    has one team, as bare vLLM has."""
+
+    def __init__(self, engine: VLLMEngine, build, build_there: bool):
         self.engine = engine
         self.inbox: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
         self.pending: dict[str, tuple[_Batch, int]] = {}
@@ -173,8 +182,16 @@ class _Stepper:
         self.broken: BaseException | None = None
         self.stopping = False
         self.wake = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="vllm-stepper", daemon=True)
+        self.built = threading.Event()
+        if not build_there:
+            engine.llm = build()
+            build = None
+        self.thread = threading.Thread(target=self._run, args=(build,), name="vllm-stepper",
+                                       daemon=True)
         self.thread.start()
+        self.built.wait()
+        if self.broken is not None:  # the engine did not build: the constructor says why
+            raise self.broken
 
     def submit(self, batch: _Batch) -> None:
         if self.broken is not None:
@@ -188,14 +205,22 @@ class _Stepper:
         self.wake.set()
         self.thread.join(timeout=30)
 
-    def _run(self) -> None:
-        llm_engine = self.engine.llm.llm_engine
+    def _run(self, build) -> None:
         try:
             if self.engine.cpu_threads:
                 # OpenMP keeps its thread count per thread, and a new thread starts from the
-                # process default: make this one's the count the engine was built with
+                # process default: make this one's the count the engine is built with
                 # (vLLM's CPU attention checks that its plan and its kernel agree)
                 self.engine.set_num_threads(self.engine.cpu_threads)
+            if build is not None:
+                self.engine.llm = build()
+        except BaseException as exc:
+            self.broken = exc
+            self.built.set()
+            return
+        self.built.set()
+        llm_engine = self.engine.llm.llm_engine
+        try:
             while not self.stopping:
                 while not self.inbox.empty():
                     self._add(self.inbox.get())
