@@ -3,6 +3,8 @@
 Row errors are not exceptions: they are values in a row's ``error`` column (see udfs.columns).
 """
 
+import re
+
 
 class JobError(Exception):
     """A problem that stops the whole job. Its message is one line that names the culprit."""
@@ -18,3 +20,44 @@ class InputError(JobError):
 
 class OutputError(JobError):
     """The output path cannot be written as asked (exists, belongs to another job...)."""
+
+
+class StageError(JobError):
+    """A stage of the running job failed (an engine that would not start or died, a part
+    that could not be written). The parts already written are kept: a re-run resumes."""
+
+
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interrupt)): ?(.*)$")
+
+
+def root_cause(exc: BaseException) -> str:
+    """The error underneath Ray's wrappers, in one line: ``ValueError: ...``.
+
+    An error in a Ray actor reaches the driver as text: a traceback, or several chained, in
+    the message of a Ray exception. The last ``SomeError: message`` in it that is not Ray's
+    own is the cause; the lines indented under it (pydantic lists its fields there) join it."""
+    text = "\n".join(str(e) for e in _chain(exc))
+    found, lines = None, text.splitlines()
+    for i, line in enumerate(lines):
+        m = _ERROR_LINE.match(line.strip())
+        if m and not line.strip().startswith("ray."):
+            detail = [m.group(2)]
+            for more in lines[i + 1:]:
+                if not more.strip() or more.lstrip().startswith(("File ", "During handling",
+                                                                 "The above exception")):
+                    break
+                if "errors.pydantic.dev" not in more:
+                    detail.append(more.strip())
+            found = f"{m.group(1)}: {' '.join(d for d in detail if d)}"
+    if found is None:
+        found = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return found[:400]
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = getattr(exc, "cause", None) if isinstance(getattr(exc, "cause", None),
+                                                         BaseException) else exc.__cause__

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pipelines.config import JobConfig
-from pipelines.errors import JobError, OutputError
+from pipelines.errors import JobError, OutputError, StageError, root_cause
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
 from pipelines.read import read_dataset
@@ -180,12 +180,17 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
                                                                    store.staging) if loc.local])
         _quiet_ray_data(verbose)
         ds = build_dataset(plan, layout, frozenset(done), only_rows)
-        if ds is not None:
-            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        try:
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow") if ds else ():
                 for record in batch.to_pylist():
                     parts.append(record)
                     progress.update(record["input_rows"], record["completion_tokens"],
                                     sum(json.loads(record["errors"]).values()))
+        except Exception as exc:  # an engine that would not start or died; a failed write
+            progress.finish()
+            raise StageError(f"the job stopped: {root_cause(exc)} (the parts written are "
+                             "kept, and the same command resumes from them; --debug shows "
+                             "the traceback)") from exc
     progress.finish()
     written = store.done_blocks()
     missing = [b.ordinal for b in plan.input.blocks if b.ordinal not in written]

@@ -76,7 +76,7 @@ def ray_session(address: str | None = None, verbose: bool = False):
     if not verbose:  # Ray's start-up notices and its C++ core's log lines, unless asked for
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
         for name in ("ray", "ray.data"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     options: dict = dict(log_to_driver=verbose, configure_logging=True,
                          logging_level=logging.INFO if verbose else logging.ERROR)
     if address is None:
@@ -96,10 +96,22 @@ def ray_session(address: str | None = None, verbose: bool = False):
             "export RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or ~/.ray/auth_token)")
         raise JobError(f"resources.address {address!r}: cannot connect to a Ray cluster "
                        f"there ({' '.join(str(exc).split())[:200]}){hint}") from None
+    if not verbose:
+        _mute_ray_error_feed()
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _mute_ray_error_feed() -> None:
+    """Ray's driver prints every error its workers report (each retry of a task of an actor
+    that failed to start: hundreds of traceback lines) from a thread of its own. The job says
+    what stopped it in one line; --verbose keeps Ray's feed."""
+    from ray._private import worker
+
+    if hasattr(worker, "print_to_stdstream"):
+        worker.print_to_stdstream = lambda *args, **kwargs: None
 
 
 def plan_replicas(config: JobConfig) -> ReplicaPlan:

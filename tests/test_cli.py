@@ -103,3 +103,14 @@ def test_validate_reports_lengths_failures_and_prompts(job_file):
     assert "will fail: 1 rows null_field, e.g. row 'S2': column 'description' is null" in out
     assert "will fail: 3 rows prompt_too_long, e.g. row 'S3': prompt has " in out
     assert "--- prompt 1 ---\n<s><|system|>\nBe brief." in out
+
+
+def test_an_engine_that_cannot_start_stops_the_job_in_one_line(job_file):
+    # vLLM refuses the engine (max_num_seqs 0) inside the replica's actor, on a Ray worker:
+    # the cause comes back through Ray as tracebacks and is told in one line
+    result = overnight("run", job_file(engine={"args": {"max_num_seqs": 0}}))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("overnight: error: the job stopped: ValidationError"), last
+    assert "max_num_seqs" in last and "the same command resumes" in last
