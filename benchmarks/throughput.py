@@ -143,8 +143,9 @@ def tree_sample(pid: int, cpu: dict, memory: bool = True) -> tuple[int, int, dic
 
 def _role(cmdline: list[str]) -> str:
     line = " ".join(cmdline)
-    if line.startswith("ray::"):
-        return line.split()[0]
+    if line.startswith("ray::"):  # "ray::MapWorker(MapBatches(Predictor)).submit": no method
+        title = line.split()[0]
+        return title[:title.rindex(")") + 1] if ")" in title else title.split(".")[0]
     for name in ("gcs_server", "raylet", "dashboard", "log_monitor", "runtime_env",
                  "monitor.py"):
         if name in line:
