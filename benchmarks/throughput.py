@@ -12,7 +12,8 @@ output lengths drawn from [--min-tokens, --max-tokens] (ignore_eos, so lengths a
 Each runs in its own fresh process; the three run in turn, --repeat rounds (a shared machine's
 speed drifts over minutes: each round's ratios compare neighbours). Reported, as medians: output
 tokens/s over the generation and over the whole command, the ratios 3/1 and 3/2, time to first
-committed part; then, in runs of their own (memory is not sampled in the timed runs), the peak
+committed part; then, in runs of their own (memory is not sampled in the timed runs), against
+bare ``LLM.generate`` fed the same prompts in 256-prompt chunks, the peak
 memory (PSS, and RSS) of the pipeline's whole process tree (driver, Ray, workers) at
 two input sizes.
 The greedy texts of 3 are compared with those of 1, row for row.
@@ -295,7 +296,43 @@ def measure_memory(args, work: Path) -> dict:
                          kv_cache_bytes=args.mem_kv_mib << 20)
         memory[rows] = run_pipeline(mem_config, work, f"mem-{rows}", memory=True)
         memory[rows].pop("stdout", None)
+        print(f"memory at {rows} rows, bare vLLM ...", file=sys.stderr)
+        plan = render(mem_config)
+        spec = work / f"mem-spec-{rows}.json"
+        spec.write_text(json.dumps({"model": str(tiny), "prompts": plan[0],
+                                    "kv_bytes": args.mem_kv_mib << 20}))
+        out = subprocess.run([sys.executable, __file__, "_bare_memory", str(spec)],
+                             capture_output=True, text=True, cwd=REPO, check=True)
+        memory[rows]["bare_vllm_peak_pss_mib"] = json.loads(out.stdout.splitlines()[-1])
     return memory
+
+
+def bare_memory(spec_path: str) -> None:
+    """Runs in a fresh process: the reference for memory. The same engine settings and
+    prompts as the memory run, fed to bare ``LLM.generate`` in 256-prompt chunks (as blocks
+    reach the engine), the process's peak PSS sampled as in the pipeline's runs."""
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import psutil
+    import vllm
+
+    llm = vllm.LLM(model=spec["model"], dtype="float32", max_model_len=1024,
+                   kv_cache_memory_bytes=spec["kv_bytes"], enforce_eager=True,
+                   enable_chunked_prefill=False)
+    me, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], me.memory_full_info().pss)
+            time.sleep(0.25)
+
+    threading.Thread(target=sample, daemon=True).start()
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i in range(0, len(prompts), 256):
+        llm.generate(prompts[i:i + 256], params, use_tqdm=False)
+    done.set()
+    print(json.dumps(round(peak[0] / 2**20, 1)))
 
 
 def report(args, rounds: list[dict], memory: dict) -> None:
@@ -352,6 +389,10 @@ def report_memory(args, memory: dict) -> dict:
     small, large = (memory[n].get("peak_pss_mib_by_process", {}) for n in sizes)
     for role in sorted(large, key=lambda r: -(large[r] - small.get(r, 0)))[:6]:
         print(f"  {role:40} peak PSS {small.get(role, 0):7.0f} -> {large[role]:7.0f} MiB")
+    bare = [memory[n].get("bare_vllm_peak_pss_mib") for n in sizes]
+    if all(bare):
+        print(f"  reference, bare LLM.generate in 256-prompt chunks: peak PSS {bare[0]:.0f} -> "
+              f"{bare[1]:.0f} MiB ({100 * (bare[1] / bare[0] - 1):+.1f}%)")
     growth = memory[sizes[1]]["peak_pss_mib"] / memory[sizes[0]]["peak_pss_mib"] - 1
     rss_growth = memory[sizes[1]]["peak_rss_mib"] / memory[sizes[0]]["peak_rss_mib"] - 1
     print(f"memory growth {sizes[0]} -> {sizes[1]} rows: PSS {100 * growth:+.1f}% "
@@ -370,7 +411,9 @@ def write(args, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "_reference":
+    if len(sys.argv) == 3 and sys.argv[1] == "_bare_memory":
+        bare_memory(sys.argv[2])
+    elif len(sys.argv) == 4 and sys.argv[1] == "_reference":
         reference(sys.argv[2], sys.argv[3])
     else:
         main()
