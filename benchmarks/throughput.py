@@ -85,12 +85,9 @@ def reference(mode: str, spec_path: str) -> None:
     """Runs in a fresh process: bare vLLM, in one call (ceiling) or in fixed batches."""
     started = time.time()
     spec = json.loads(Path(spec_path).read_text())
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = bare_llm(spec["model"], spec["dtype"], 1 << 30)
     import vllm
 
-    llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=1024,
-                   kv_cache_memory_bytes=1 << 30, enforce_eager=True,
-                   enable_chunked_prefill=False)
     prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     params = [vllm.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in spec["max_tokens"]]
@@ -107,6 +104,15 @@ def reference(mode: str, spec_path: str) -> None:
         "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "generate_s": gen, "process_start_to_done_s": time.time() - started,
     }))
+
+
+def bare_llm(model: str, dtype: str, kv_bytes: int):
+    """The references' engine: the settings the pipeline gives a CPU engine, in process."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    return vllm.LLM(model=model, dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=kv_bytes,
+                    enforce_eager=True, enable_chunked_prefill=False)
 
 
 def tree_sample(pid: int, cpu: dict, memory: bool = True) -> tuple[int, int, dict[str, int]]:
@@ -312,18 +318,14 @@ def bare_memory(spec_path: str) -> None:
     prompts as the memory run, fed to bare ``LLM.generate`` in 256-prompt chunks (as blocks
     reach the engine), the process's peak PSS sampled as in the pipeline's runs."""
     spec = json.loads(Path(spec_path).read_text())
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import psutil
+    llm = bare_llm(spec["model"], "float32", spec["kv_bytes"])
     import vllm
 
-    llm = vllm.LLM(model=spec["model"], dtype="float32", max_model_len=1024,
-                   kv_cache_memory_bytes=spec["kv_bytes"], enforce_eager=True,
-                   enable_chunked_prefill=False)
-    me, peak, done = psutil.Process(), [0], threading.Event()
+    peak, done = [0], threading.Event()
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], me.memory_full_info().pss)
+            peak[0] = max(peak[0], tree_sample(os.getpid(), {})[1])
             time.sleep(0.25)
 
     threading.Thread(target=sample, daemon=True).start()

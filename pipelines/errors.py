@@ -1,4 +1,5 @@
-"""Job errors: a user's mistake or an environment problem that stops the job before GPU time.
+"""Job errors: a user's mistake or an environment problem that stops the job (before GPU time
+where it can be found then), or a stage that failed while it ran.
 
 Row errors are not exceptions: they are values in a row's ``error`` column (see udfs.columns).
 """
@@ -55,9 +56,10 @@ def root_cause(exc: BaseException) -> str:
 
 
 def _chain(exc: BaseException):
+    """An exception and its causes: Ray's ``cause`` where it has one, else ``__cause__``."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         yield exc
-        exc = getattr(exc, "cause", None) if isinstance(getattr(exc, "cause", None),
-                                                         BaseException) else exc.__cause__
+        cause = getattr(exc, "cause", None)
+        exc = cause if isinstance(cause, BaseException) else exc.__cause__

@@ -221,9 +221,10 @@ class _Stepper:
                 self.engine.llm = build()
         except BaseException as exc:
             self.broken = exc
+        finally:
             self.built.set()
+        if self.broken is not None:
             return
-        self.built.set()
         llm_engine = self.engine.llm.llm_engine
         try:
             while not self.stopping:
