@@ -79,3 +79,47 @@ def test_an_engine_that_cannot_be_built_says_why_from_its_constructor(tiny_model
     with pytest.raises(Exception, match="max_model_len"):
         build_engine(EngineSpec("vllm", tiny_model, {
             "dtype": "float32", "max_model_len": 10**6, "kv_cache_memory_bytes": KV_CACHE}))
+
+
+def test_more_requests_than_the_engine_has_slots_all_complete_in_order(vllm_engine, llm):
+    # 3 blocks x 100 requests from three threads: more than the engine's 256 sequence slots,
+    # so some wait in the stepper's queue (longest first) before the engine sees them
+    import vllm
+
+    blocks = [[GenerationRequest([0, 3, 30 + b, i % 200], 1 + (7 * i + b) % 6,
+                                 temperature=0.0, ignore_eos=True)
+               for i in range(100)] for b in range(3)]
+    got: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda b=b: got.__setitem__(b, vllm_engine.generate(
+        blocks[b]))) for b in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for b in range(3):
+        reference = llm.generate(
+            [vllm.inputs.TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in blocks[b]],
+            [vllm.SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+             for r in blocks[b]], use_tqdm=False)
+        assert [r.text for r in got[b]] == [o.outputs[0].text for o in reference]
+        assert [r.completion_tokens for r in got[b]] == [r.max_tokens for r in blocks[b]]
+
+
+def test_waiting_requests_go_longest_first_and_none_waits_forever():
+    from udfs.vllm_engine import _Batch, _Waiting
+
+    def batch(*lengths):
+        return _Batch([GenerationRequest([1], n) for n in lengths])
+
+    waiting, first = _Waiting(), batch(10, 200, 50, 50)
+    for i in range(4):
+        waiting.push(first, i, step=0)
+    assert [waiting.pop()[1] for _ in range(2)] == [1, 2]  # the longest; ties in arrival order
+    # 30 steps later a newcomer goes before a waiting request only if it is more than 30
+    # tokens longer: 100 before the waiting 50, 60 not; the new 10 after the old 10
+    late = batch(100, 60, 10)
+    for i in range(3):
+        waiting.push(late, i, step=30)
+    assert [(b is late, i) for b, i in (waiting.pop() for _ in range(5))] == [
+        (True, 0), (False, 3), (True, 1), (False, 0), (True, 2)]
+    assert not waiting

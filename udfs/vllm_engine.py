@@ -6,6 +6,7 @@ takes seconds).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import os
 import queue
@@ -172,6 +173,14 @@ class _Stepper:
     steps the engine while any request is unfinished. New blocks join the running batch
     at the next step, so the engine never drains at a block boundary.
 
+    Requests wait here, not in the engine's queue, until the engine has a free sequence slot
+    (``max_num_seqs``), and the one added next is the one with the least slack: arrival step
+    minus ``max_tokens``. Long requests start first, so short ones fill the batch at the end
+    of a run instead of a few long ones running alone (bare ``LLM.generate`` on the benchmark
+    took 0.88-0.94 of the time with its prompts sorted longest first); and a request that has
+    waited as many steps as the longest is long goes before any newcomer, so no block
+    starves.
+
     On CPU it builds the engine too. OpenMP gives each thread that runs parallel work a team
     of its own, and once a process has more OpenMP threads than cores, libgomp stops its
     threads spinning between parallel regions: they sleep, and every region waits for them
@@ -182,8 +191,10 @@ class _Stepper:
     def __init__(self, engine: VLLMEngine, build, build_there: bool):
         self.engine = engine
         self.inbox: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
-        self.pending: dict[str, tuple[_Batch, int]] = {}
+        self.waiting = _Waiting()  # not yet in the engine
+        self.pending: dict[str, tuple[_Batch, int]] = {}  # in the engine, by request id
         self.counter = itertools.count()
+        self.steps = 0
         self.broken: BaseException | None = None
         self.stopping = False
         self.wake = threading.Event()
@@ -226,10 +237,13 @@ class _Stepper:
         if self.broken is not None:
             return
         llm_engine = self.engine.llm.llm_engine
+        slots = llm_engine.vllm_config.scheduler_config.max_num_seqs
         try:
             while not self.stopping:
                 while not self.inbox.empty():
-                    self._add(self.inbox.get())
+                    self._queue(self.inbox.get())
+                while self.waiting and len(self.pending) < slots:
+                    self._add(*self.waiting.pop())
                 if not llm_engine.has_unfinished_requests():
                     self.wake.wait(timeout=0.5)
                     self.wake.clear()
@@ -238,25 +252,53 @@ class _Stepper:
                     if out.finished and out.request_id in self.pending:
                         batch, index = self.pending.pop(out.request_id)
                         batch.set(index, _result(out))
+                self.steps += 1
         except BaseException as exc:  # the engine is gone: fail every waiting block
             self.broken = exc
             for batch, _ in list(self.pending.values()):
                 batch.fail(exc)
+            for batch in self.waiting.batches():
+                batch.fail(exc)
             while not self.inbox.empty():
                 self.inbox.get().fail(exc)
 
-    def _add(self, batch: _Batch) -> None:
-        engine = self.engine
-        for index, request in enumerate(batch.requests):
-            request_id = f"overnight-{next(self.counter)}"
-            params = engine._sampling_params(request)
-            params.output_kind = engine._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
-            try:
-                engine.llm.llm_engine.add_request(request_id, engine._prompt(request), params)
-            except engine._request_errors as exc:  # this request only: a row error
-                batch.set(index, GenerationResult(None, None, None, error=_one_line(exc)))
-                continue
-            self.pending[request_id] = (batch, index)
+    def _queue(self, batch: _Batch) -> None:
+        for index in range(len(batch.requests)):
+            self.waiting.push(batch, index, self.steps)
+
+    def _add(self, batch: _Batch, index: int) -> None:
+        engine, request = self.engine, batch.requests[index]
+        request_id = f"overnight-{next(self.counter)}"
+        params = engine._sampling_params(request)
+        params.output_kind = engine._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+        try:
+            engine.llm.llm_engine.add_request(request_id, engine._prompt(request), params)
+        except engine._request_errors as exc:  # this request only: a row error
+            batch.set(index, GenerationResult(None, None, None, error=_one_line(exc)))
+            return
+        self.pending[request_id] = (batch, index)
+
+
+class _Waiting:
+    """Requests not yet in the engine, least slack first: a request's key is the engine step
+    it arrived at minus its ``max_tokens`` (the steps it may take), ties in arrival order."""
+
+    def __init__(self):
+        self._heap: list[tuple[int, int, _Batch, int]] = []
+        self._arrivals = itertools.count()
+
+    def push(self, batch: _Batch, index: int, step: int) -> None:
+        key = step - batch.requests[index].max_tokens
+        heapq.heappush(self._heap, (key, next(self._arrivals), batch, index))
+
+    def pop(self) -> tuple[_Batch, int]:
+        return heapq.heappop(self._heap)[2:]
+
+    def batches(self) -> set[_Batch]:
+        return {batch for _, _, batch, _ in self._heap}
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 def _default(value, fallback):
