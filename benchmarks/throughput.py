@@ -6,6 +6,9 @@
 One run measures, on the same rendered prompts, same model, same greedy sampling, with per-row
 output lengths drawn from [--min-tokens, --max-tokens] (ignore_eos, so lengths are exact):
   1. ceiling: bare ``vllm.LLM.generate`` on all prompts in one call;
+  1s. ceiling, longest first: the same one call on the prompts sorted by max_tokens, longest
+              first: what the pipeline's ordering (udfs/vllm_engine.py) does, given to bare vLLM,
+              so the gain from ordering and the cost of the pipeline show apart;
   2. naive:   a loop of ``LLM.generate`` over fixed batches of --batch-size, each waiting for
               its longest sequence (what a per-block predictor does);
   3. overnight: ``overnight run`` end to end, Parquet to Parquet, through Ray Data.
@@ -82,7 +85,8 @@ def render(config: dict) -> tuple[list[list[int]], list[int]]:
 
 
 def reference(mode: str, spec_path: str) -> None:
-    """Runs in a fresh process: bare vLLM, in one call (ceiling) or in fixed batches."""
+    """Runs in a fresh process: bare vLLM, in one call (ceiling, in input order or longest
+    first) or in fixed batches (naive)."""
     started = time.time()
     spec = json.loads(Path(spec_path).read_text())
     llm = bare_llm(spec["model"], spec["dtype"], 1 << 30)
@@ -94,6 +98,13 @@ def reference(mode: str, spec_path: str) -> None:
     gen_start = time.time()
     if mode == "ceiling":
         outs = llm.generate(prompts, params, use_tqdm=False)
+    elif mode == "ceiling_sorted":
+        order = sorted(range(len(prompts)), key=lambda i: -spec["max_tokens"][i])
+        done = llm.generate([prompts[i] for i in order], [params[i] for i in order],
+                            use_tqdm=False)
+        outs = [None] * len(prompts)
+        for i, out in zip(order, done):
+            outs[i] = out
     else:
         b, outs = spec["batch_size"], []
         for i in range(0, len(prompts), b):
@@ -264,7 +275,7 @@ def main() -> None:
     rounds = []
     for i in range(args.repeat):
         results = {}
-        for mode in ("ceiling", "naive"):
+        for mode in ("ceiling", "ceiling_sorted", "naive"):
             print(f"round {i + 1}/{args.repeat}: {mode} ...", file=sys.stderr)
             out = subprocess.run([sys.executable, __file__, "_reference", mode, str(spec)],
                                  capture_output=True, text=True, cwd=REPO, check=True)
@@ -340,6 +351,7 @@ def bare_memory(spec_path: str) -> None:
 def report(args, rounds: list[dict], memory: dict) -> None:
     tok = rounds[0]["ceiling"]["tokens"]
     names = {"ceiling": "1 ceiling: LLM.generate, one call",
+             "ceiling_sorted": "1s the same, prompts longest first",
              "naive": f"2 naive: LLM.generate per {args.batch_size} rows",
              "overnight": "3 overnight run, Parquet to Parquet"}
     print(f"\n{args.rows} prompts, output lengths {args.min_tokens}..{args.max_tokens} "
@@ -354,6 +366,8 @@ def report(args, rounds: list[dict], memory: dict) -> None:
         print(f"{name:42} {gen:11.1f} {tok / gen:8.0f} {whole:10.1f} {tok / whole:8.0f}")
     per_round = [{
         "3/1 generation": r["ceiling"]["generate_s"] / r["overnight"]["generate_s"],
+        "3/1s generation": r["ceiling_sorted"]["generate_s"] / r["overnight"]["generate_s"],
+        "1s/1 generation": r["ceiling"]["generate_s"] / r["ceiling_sorted"]["generate_s"],
         "3/2 generation": r["naive"]["generate_s"] / r["overnight"]["generate_s"],
         "3/1 whole process": (r["ceiling"]["process_start_to_done_s"]
                               / r["overnight"]["process_start_to_done_s"]),
@@ -367,6 +381,8 @@ def report(args, rounds: list[dict], memory: dict) -> None:
     first = median(r["overnight"]["first_part_s"] or float("nan") for r in rounds)
     print(f"time to first committed part: {first:.1f} s")
     identical = all(r["overnight"]["identical_to_ceiling"] for r in rounds)
+    sorted_same = all(r["ceiling_sorted"]["texts"] == r["ceiling"]["texts"] for r in rounds)
+    print(f"1s's greedy texts identical to 1's: {sorted_same}")
     print(f"greedy texts identical to the ceiling's, row for row: {identical}")
     cpu = rounds[-1]["overnight"]["cpu_s_by_process"]
     print("CPU seconds of the pipeline's processes (last round, whole run): " + ", ".join(
@@ -377,6 +393,7 @@ def report(args, rounds: list[dict], memory: dict) -> None:
             result.pop("stdout", None)
     write(args, {"output_tokens": tok, "rounds": rounds, "ratios": ratios,
                  "ratios_per_round": per_round, "identical_to_ceiling": identical,
+                 "sorted_ceiling_identical_to_ceiling": sorted_same,
                  **(report_memory(args, memory) if memory else {})})
 
 
