@@ -1,4 +1,4 @@
-"""The job, assembled: read -> render prompts -> generate -> write parts -> commit.
+"""The job, assembled: read -> render prompts and generate -> write parts -> commit.
 
 ``run_job`` is the whole data path on one screen; each step lives in the module named for it.
 """
@@ -23,7 +23,6 @@ from udfs import columns
 from udfs.columns import ErrorKind
 from udfs.parsers import OutputParser
 from udfs.predictor import Predictor
-from udfs.prompts import PromptRenderer
 
 
 @dataclass
@@ -96,16 +95,15 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     ds = read_dataset(plan.input, skip_blocks, only_rows)
     if ds is None:
         return None
-    ds = ds.map_batches(PromptRenderer, fn_constructor_kwargs={"spec": plan.render},
-                        batch_format="pyarrow", batch_size=None, num_cpus=LIGHT_STAGE_CPUS,
-                        compute=_pool(1))
     engine = plan.engine
     if engine.kind == "vllm" and replicas.cpu_threads and not engine.options.get("cpu_threads"):
         engine = replace(engine, options={**engine.options,
                                                       "cpu_threads": replicas.cpu_threads})
+    # The predictor renders the prompts too (udfs/predictor.py says why)
     ds = ds.map_batches(Predictor,
                         fn_constructor_kwargs={"engine": engine, "sampling": plan.sampling,
-                                               "output_column": plan.config.output.column},
+                                               "output_column": plan.config.output.column,
+                                               "render": plan.render},
                         # by rows, not whole blocks (Ray Data insists on it for GPU stages):
                         # the writer puts blocks back together
                         batch_format="pyarrow", batch_size=plan.config.resources.batch_size,
