@@ -178,7 +178,7 @@ class _Stepper:
     minus ``max_tokens``. Long requests start first, so short ones fill the batch at the end
     of a run instead of a few long ones running alone (bare ``LLM.generate`` on the benchmark
     took 0.88-0.94 of the time with its prompts sorted longest first); and a request that has
-    waited as many steps as the longest is long goes before any newcomer, so no block
+    waited N steps goes before any newcomer not more than N tokens longer, so no block
     starves.
 
     On CPU it builds the engine too. OpenMP gives each thread that runs parallel work a team
