@@ -12,14 +12,14 @@ output lengths drawn from [--min-tokens, --max-tokens] (ignore_eos, so lengths a
   2. naive:   a loop of ``LLM.generate`` over fixed batches of --batch-size, each waiting for
               its longest sequence (what a per-block predictor does);
   3. overnight: ``overnight run`` end to end, Parquet to Parquet, through Ray Data.
-Each runs in its own fresh process; the three run in turn, --repeat rounds (a shared machine's
+Each runs in its own fresh process; the four run in turn, --repeat rounds (a shared machine's
 speed drifts over minutes: each round's ratios compare neighbours). Reported, as medians: output
-tokens/s over the generation and over the whole command, the ratios 3/1 and 3/2, time to first
+tokens/s over the generation and over the whole command, the ratios 3/1, 3/1s and 3/2, time to first
 committed part; then, in runs of their own (memory is not sampled in the timed runs), against
 bare ``LLM.generate`` fed the same prompts in 256-prompt chunks, the peak
 memory (PSS, and RSS) of the pipeline's whole process tree (driver, Ray, workers) at
 two input sizes.
-The greedy texts of 3 are compared with those of 1, row for row.
+The greedy texts of 3 and of 1s are compared with those of 1, row for row.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pipelines.config import JobConfig
 from pipelines.errors import JobError
 
-# Light stages (read, render, write) take a fraction of a CPU, so on a small machine they never
+# Light stages (read, parse, write) take a fraction of a CPU, so on a small machine they never
 # starve the engine of the cores it needs, nor deadlock waiting for them.
 LIGHT_STAGE_CPUS = 0.25
 

@@ -54,9 +54,9 @@ class VLLMEngine:
                 "vLLM is not installed: pip install 'overnight[cpu]' (CPU) or "
                 f"'overnight[gpu]' (NVIDIA/AMD) ({exc})") from exc
         self._vllm = vllm
-        # Errors that belong to one request, raised while vLLM adds it (it then aborts the
-        # requests of that call already added). Anything else is an engine failure: it stops
-        # the job, whose written parts a re-run resumes from.
+        # Errors that belong to one request, raised while vLLM adds it: that row's error.
+        # Anything else is an engine failure: it stops the job, whose written parts a re-run
+        # resumes from.
         from vllm.exceptions import VLLMClientError
 
         self._request_errors = (VLLMClientError, ValueError)
