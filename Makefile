@@ -22,5 +22,11 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/throughput.py
 
+# What was detected and installed, for a bug report. No install first: it reports a broken one.
+.PHONY: doctor
+doctor:
+	@if [ -x $(BIN)/overnight ]; then $(BIN)/overnight doctor; else echo "no $(BIN)/overnight:" \
+	  "run make setup (scripts/setup.sh --dry-run prints what it would install)"; fi
+
 clean:
 	rm -rf out models .pytest_cache

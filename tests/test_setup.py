@@ -1,4 +1,4 @@
-"""scripts/setup.sh's choices, read from its dry run.
+"""scripts/setup.sh's choices, read from its dry run, and ``overnight doctor`` on this machine.
 
 The set-up script runs for real against stub ``nvidia-smi`` / ``rocm-smi`` commands, a stub
 ROCm version file, a local HTTP server standing in for vLLM's ROCm wheel index, and pip's own
@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 
 import pytest
+
+from udfs.platform import auto_dtype, cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "scripts" / "setup.sh"
@@ -214,3 +216,43 @@ def test_cpu_torch_index_setting_replaces_the_look_up(machine, url):
                            PIP_NO_INDEX="1")
     expected = f" --extra-index-url {url}" if url else ""
     assert _pip_install(result).endswith(f"-e '.[cpu,test]'{expected}")
+
+
+def test_auto_dtype_is_float32_on_a_cpu_without_amx():
+    assert auto_dtype("cpu", frozenset({"avx512f", "avx512_bf16"})) == "float32"
+    assert auto_dtype("cpu", frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})) == "bfloat16"
+    assert auto_dtype("cuda", frozenset()) == "auto"
+    assert auto_dtype("rocm") == "auto"
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(cpuinfo) == {"fpu", "avx512f", "amx_bf16"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def _doctor(*code: str) -> subprocess.CompletedProcess:
+    script = "\n".join([*code, "from pipelines.cli import main", "main(['doctor'])"])
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_doctor_prints_one_fact_a_line():
+    result = _doctor()
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    facts = dict(line.split(":", 1) for line in result.stdout.splitlines())
+    assert list(facts) == ["overnight", "python", "system", "cpu", "gpu tools", "build", "vllm",
+                           "torch", "ray", "gpus (ray)", "dtype"]
+    assert facts["build"].split()[0] in ("cpu", "cpu:", "gpu", "gpu:", "rocm", "rocm:")
+    assert facts["vllm"].split()[0] == "0.32.0" and "platform" in facts["vllm"]
+    assert facts["ray"].strip() == "2.60.0"
+    assert facts["dtype"].strip().startswith("auto -> ")
+
+
+def test_doctor_says_in_one_line_that_vllm_is_missing():
+    result = _doctor("import sys", "sys.modules['vllm'] = None  # import vllm raises ImportError")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    vllm = [line for line in result.stdout.splitlines() if line.startswith("vllm:")]
+    assert len(vllm) == 1 and "not installed" in vllm[0] and "make setup" in vllm[0]
