@@ -170,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     except JobError as exc:
         if args.debug:
             raise
-        print(f"overnight: error: {exc}", file=sys.stderr)
+        from pipelines.storage import scrub
+
+        # one line, and no credentials whatever shape a URL holding them took
+        print(f"overnight: error: {scrub(' '.join(str(exc).split()))}", file=sys.stderr)
         return EXIT_JOB_ERROR
     except KeyboardInterrupt:
         print("\novernight: interrupted; the parts written are kept: run the same command "

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipelines.errors import OutputError
-from pipelines.storage import Location
+from pipelines.storage import Location, scrub_record
 from pipelines.write import OutputStore, part_ordinal, read_part
 from udfs import columns
 from udfs.columns import FinishReason
@@ -158,7 +158,7 @@ def _times(timings: dict, parts: list[dict]) -> dict:
 
 def write_report(output: str | Path | Location, report: dict) -> Location:
     path = report_path(output)
-    path.write_text(json.dumps(report, indent=2))
+    path.write_text(json.dumps(scrub_record(report), indent=2))
     return path
 
 

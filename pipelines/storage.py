@@ -22,9 +22,10 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
+
+from udfs.redact import redact, scrub, scrub_record  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class Location:
         return self.fs is None
 
     def __str__(self) -> str:
-        return self.scheme + self.path
+        # fsspec's http(s) paths are whole URLs, credentials and all
+        return redact(self.path if "://" in self.path else self.scheme + self.path)
 
     def __truediv__(self, name: str) -> Location:
         return Location(f"{self.path.rstrip('/')}/{name}", self.fs, self.scheme)
@@ -203,12 +205,3 @@ def _fsspec(uri: str) -> tuple[pafs.FileSystem, str]:
     except (ImportError, ValueError) as exc:
         raise ValueError(f"{redact(uri)}: {' '.join(str(exc).split())}") from None
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
-
-
-def redact(uri: str) -> str:
-    """A URI without its user:password part and query, for messages and records."""
-    if "://" not in uri:
-        return uri
-    parts = urlsplit(uri)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))

@@ -24,6 +24,7 @@ from typing import Sequence
 import httpx
 
 from udfs.engine import EngineSpec, GenerationRequest, GenerationResult
+from udfs.redact import scrub
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 MAX_BACKOFF_S = 30.0
@@ -181,7 +182,7 @@ class HTTPEngine:
 
 def _failed(message: str) -> GenerationResult:
     return GenerationResult(text=None, finish_reason=None, completion_tokens=None,
-                            error=message)
+                            error=scrub(message))  # a transport error may quote the URL
 
 
 def list_models(base_url: str, api_key: str | None, timeout: float = 10.0) -> list[str]:
