@@ -12,10 +12,12 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray.data
 from ray.data.block import BlockMetadata
@@ -74,8 +76,7 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[list[Location], str]:
             if not files:
                 raise InputError(f"input.path {shown!r}: the glob matches no file")
         elif where.is_dir():
-            files = [f for f in where.files() if _suffix(f) in FORMATS
-                     and not f.name.startswith((".", "_"))]
+            files = [f for f in where.files() if _suffix(f) in FORMATS and _visible(f, where)]
             if not files:
                 raise InputError(f"input.path {shown!r}: the directory holds no .parquet or "
                                  ".jsonl file")
@@ -93,7 +94,7 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[list[Location], str]:
             raise InputError(f"{odd}: unknown format; name it .parquet or .jsonl, "
                              "or set input.format")
         if len(kinds) > 1:
-            raise InputError(f"input.path {path!r}: mixes Parquet and JSONL files")
+            raise InputError(f"input.path {shown!r}: mixes Parquet and JSONL files")
         fmt = kinds.pop()
     return files, fmt
 
@@ -102,18 +103,58 @@ def _suffix(file: Location) -> str:
     return PurePosixPath(file.name).suffix.lower()
 
 
+def _visible(file: Location, root: Location) -> bool:
+    """Not hidden: no name below ``root`` starts with "." or "_" (``.ipynb_checkpoints/``,
+    Spark's ``_temporary/`` and ``_SUCCESS``, editors' ``.~lock`` files)."""
+    if root.local:
+        below = os.path.relpath(file.path, root.path)
+    else:
+        below = file.path.removeprefix(root.path.rstrip("/")).strip("/")
+    return not any(part.startswith((".", "_")) for part in below.split("/") if part != "..")
+
+
 def _glob(where: Location) -> list[Location]:
-    if where.local:
-        return [Location(p) for p in sorted(glob.glob(where.path, recursive=True))
-                if os.path.isfile(p)]
-    # object stores have no glob: list below the pattern's fixed prefix, then match
-    fixed = []
+    fixed = []  # the pattern's leading folders without a wildcard
     for segment in where.path.split("/"):
         if any(ch in segment for ch in "*?["):
             break
         fixed.append(segment)
-    root = Location("/".join(fixed), where.fs, where.scheme)
-    return root.files(pattern=where.path)
+    root = Location("/".join(fixed) or ".", where.fs, where.scheme)
+    if where.local:
+        found = [Location(p) for p in sorted(glob.glob(where.path, recursive=True))
+                 if os.path.isfile(p)]
+    else:  # object stores have no glob: list below the fixed prefix, then match
+        pattern = glob_regex(where.path)
+        found = [f for f in root.files() if pattern.fullmatch(f.path)]
+    return [f for f in found if _visible(f, root)]
+
+
+def glob_regex(pattern: str) -> re.Pattern:
+    """A glob as the local filesystem's reads it: ``*``, ``?`` and ``[...]`` stay within one
+    folder name; ``**/`` spans any number of folders."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]*/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            end = pattern.index("]", i + 2)
+            body = pattern[i + 1:end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
 
 
 def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None) -> InputPlan:
@@ -129,8 +170,8 @@ def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None) -> I
         blocks.extend(file_blocks)
         ordinal += sum(b.num_rows for b in file_blocks)
     if ordinal == 0:
-        raise InputError(f"input.path {path!r}: the input has no rows")
-    schema = _unify(schemas)
+        raise InputError(f"input.path {redact(path)!r}: the input has no rows")
+    schema = _as_json_text(_unify(schemas, fmt))
     for name in schema.names:
         if name.startswith(columns.INTERNAL_PREFIX):
             raise InputError(f"column {name!r}: names starting with "
@@ -139,14 +180,57 @@ def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None) -> I
                      ids=ids)
 
 
-def _unify(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
+def _unify(schemas: list[tuple[Location, pa.Schema]], fmt: str) -> pa.Schema:
     unified = schemas[0][1]
     for file, schema in schemas[1:]:
         try:
             unified = pa.unify_schemas([unified, schema], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise InputError(f"{file}: its columns do not match the other files: {exc}") from None
+    if fmt == "parquet":  # a JSONL file's values were checked as they were parsed
+        for file, schema in schemas:
+            _check_lossless(file, schema, unified)
     return unified
+
+
+MAX_EXACT_FLOAT = 2 ** 53  # integers beyond it do not survive a float64
+
+
+def _check_lossless(file: Location, schema: pa.Schema, unified: pa.Schema) -> None:
+    """An integer column that is float in another file becomes float64: refuse it when this
+    file's integers would not survive that (by the Parquet statistics, else by reading it)."""
+    for fld in schema:
+        target = unified.field(fld.name).type
+        if not (pa.types.is_integer(fld.type) and pa.types.is_floating(target)):
+            continue
+        extremes = pc.min_max(_parquet(file).read(columns=[fld.name]).column(0)).as_py()
+        biggest = max((abs(v) for v in extremes.values() if v is not None), default=0)
+        if biggest > MAX_EXACT_FLOAT:
+            raise InputError(f"{file}: column {fld.name!r} holds integers up to {biggest}, "
+                             f"but is {target} in another file, which would round them; "
+                             "give it one type in every file")
+
+
+JSON_TEXT = {b"overnight.json_text": b"1"}  # field metadata: values kept as JSON text
+
+
+def _as_json_text(schema: pa.Schema) -> pa.Schema:
+    """Columns whose type holds an empty struct (``{}`` in every row), which Parquet cannot
+    store, become their values' JSON text."""
+    fields = [pa.field(f.name, pa.string(), metadata=JSON_TEXT) if _has_empty_struct(f.type)
+              else f for f in schema]
+    return pa.schema(fields, metadata=schema.metadata)
+
+
+def _has_empty_struct(type_: pa.DataType) -> bool:
+    if pa.types.is_struct(type_):
+        return type_.num_fields == 0 or any(_has_empty_struct(f.type) for f in type_)
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_) or \
+            pa.types.is_fixed_size_list(type_):
+        return _has_empty_struct(type_.value_type)
+    if pa.types.is_map(type_):
+        return _has_empty_struct(type_.key_type) or _has_empty_struct(type_.item_type)
+    return False
 
 
 def _scan_parquet(file, ordinal, block_rows, id_column, ids):
@@ -164,7 +248,7 @@ def _scan_parquet(file, ordinal, block_rows, id_column, ids):
 
 
 def _scan_jsonl(file, ordinal, block_rows, id_column, ids):
-    blocks, schema, rows = [], None, []
+    blocks, schema, rows, lines = [], None, [], []
     block_start_offset, offset = 0, 0
     first = ordinal
     try:
@@ -180,24 +264,31 @@ def _scan_jsonl(file, ordinal, block_rows, id_column, ids):
             if id_column is not None:
                 ids.append(row.get(id_column))
             rows.append(row)
+            lines.append(lineno)
             if len(rows) == block_rows:
-                schema = _merge_schema(schema, rows, file, lineno)
+                schema = _merge_schema(schema, rows, file, lines)
                 blocks.append(Block(file, "jsonl", first, len(rows), block_start_offset))
                 first += len(rows)
-                rows, block_start_offset = [], offset
+                rows, lines, block_start_offset = [], [], offset
         if rows:
-            schema = _merge_schema(schema, rows, file, lineno)
+            schema = _merge_schema(schema, rows, file, lines)
             blocks.append(Block(file, "jsonl", first, len(rows), block_start_offset))
     return schema, blocks
 
 
+def _blank(raw: bytes) -> bool:
+    """A line with nothing but JSON's own whitespace; the scan and the reads agree on it
+    (Python's str.strip() would also drop U+00A0, which json.loads refuses)."""
+    return not raw.strip(b" \t\r\n")
+
+
 def _parse_jsonl_line(raw: bytes, file: str, lineno: int) -> dict | None:
+    if _blank(raw):
+        return None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"{file}:{lineno}: not valid UTF-8 (byte {exc.start})") from None
-    if not text.strip():
-        return None
     try:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -207,14 +298,40 @@ def _parse_jsonl_line(raw: bytes, file: str, lineno: int) -> dict | None:
     return row
 
 
-def _merge_schema(schema, rows, file, lineno):
+def _merge_schema(schema, rows, file, lines):
+    block_schema = _rows_schema(rows, file, lines)
+    if schema is None:
+        return block_schema
     try:
-        block_schema = pa.Table.from_pylist(rows).schema
-        if schema is None:
-            return block_schema
         return pa.unify_schemas([schema, block_schema], promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise InputError(f"{file} (lines up to {lineno}): values of mixed types: {exc}") from None
+        raise InputError(f"{file} (lines up to {lines[-1]}): values of mixed types: "
+                         f"{' '.join(str(exc).split())}") from None
+
+
+def _rows_schema(rows: list[dict], file, lines: list[int]) -> pa.Schema:
+    """The columns of every row (not only the first row's: sparse keys are the norm), and
+    their types; a value Arrow cannot hold is named with its line."""
+    try:
+        return pa.schema(pa.array(rows).type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+        for row, lineno in zip(rows, lines):
+            for key, value in row.items():
+                try:
+                    pa.array([value])
+                except OverflowError:
+                    raise InputError(f"{file}:{lineno}: column {key!r}: "
+                                     f"{_short(value)} does not fit a 64-bit integer; "
+                                     "write it as a string") from None
+                except (pa.ArrowInvalid, pa.ArrowTypeError):
+                    pass
+        raise InputError(f"{file} (lines {lines[0]}-{lines[-1]}): values of mixed types: "
+                         f"{' '.join(str(exc).split())}") from None
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def read_block(block: Block, schema: pa.Schema) -> pa.Table:
@@ -251,10 +368,15 @@ def _read_jsonl_rows(path: Location, offset: int, count: int, schema: pa.Schema)
     with path.open() as handle:
         handle.seek(offset)
         for raw in handle:
-            if raw.strip():
+            if not _blank(raw):
                 rows.append(json.loads(raw))
                 if len(rows) == count:
                     break
+    as_text = [f.name for f in schema if f.metadata == JSON_TEXT]
+    for row in rows:
+        for name in as_text:
+            if row.get(name) is not None:
+                row[name] = json.dumps(row[name], ensure_ascii=False)
     return pa.Table.from_pylist(rows, schema=schema)
 
 

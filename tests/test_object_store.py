@@ -126,3 +126,16 @@ def test_an_output_at_a_bucket_root_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"output.path 's3://bucket': name a folder inside "
                                           r"the bucket, e.g. s3://bucket/out"):
         plan_job(config)
+
+
+def test_a_glob_stays_in_its_folder_and_hidden_folders_are_not_read(s3):
+    """On an object store '*' matched across '/', and hidden and '_' folders were read."""
+    from pipelines.read import resolve_files
+
+    for key in ("g/a.parquet", "g/sub/b.parquet", "g/_temporary/c.parquet",
+                "g/.ipynb_checkpoints/d.parquet", "g/sub/.hidden/e.parquet"):
+        put_table(s3, key, pa.Table.from_pylist(ROWS[:1]))
+    names = lambda pattern: [f.path.rsplit("/", 1)[-1] for f in resolve_files(s3(pattern))[0]]
+    assert names("g/*.parquet") == ["a.parquet"]
+    assert names("g/**/*.parquet") == ["a.parquet", "b.parquet"]
+    assert names("g") == ["a.parquet", "b.parquet"]

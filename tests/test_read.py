@@ -96,3 +96,23 @@ def test_values_pass_through_unchanged(tmp_path: Path):
     plan = scan_input(str(path), "auto", 4, None)
     got = [v for b in plan.blocks for v in read_block(b, plan.schema).column("t").to_pylist()]
     assert got == odd
+
+
+def test_integers_that_a_float_column_elsewhere_would_round_are_refused(tmp_path: Path):
+    pq.write_table(pa.table({"id": pa.array([2 ** 53 + 1], pa.int64())}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": pa.array([0.5])}), tmp_path / "b.parquet")
+    with pytest.raises(InputError, match=r"a.parquet: column 'id' holds integers up to "
+                                         r"9007199254740993, but is double in another file"):
+        scan_input(str(tmp_path), "auto", 4, None)
+    pq.write_table(pa.table({"id": pa.array([7], pa.int64())}), tmp_path / "a.parquet")
+    plan = scan_input(str(tmp_path), "auto", 4, None)  # small integers survive a double
+    assert plan.schema.field("id").type == pa.float64()
+
+
+def test_jsonl_keys_and_types_come_from_every_row(tmp_path: Path):
+    (tmp_path / "a.jsonl").write_text('{"id": 1, "text": "a"}\n'
+                                      '{"id": 2, "text": "b", "notes": "keep me", "m": {}}\n')
+    plan = scan_input(str(tmp_path / "a.jsonl"), "auto", 8, None)
+    table = read_block(plan.blocks[0], plan.schema)
+    assert table.column("notes").to_pylist() == [None, "keep me"]
+    assert table.column("m").to_pylist() == [None, "{}"]
