@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
-from pipelines.storage import Location
+from pipelines.storage import Location, scrub_record
 from udfs import columns
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
@@ -104,6 +105,7 @@ class PartWriter:
         self.expected = dict(zip(layout.block_starts, layout.block_rows))
         self.pending: dict[int, list[pa.Table]] = {}
         self.arrived: dict[int, set[int]] = {}
+        self.written: set[int] = set()  # blocks whose part this writer wrote
 
     def _arrange(self, table: pa.Table) -> pa.Table:
         if columns.ROW_ID in self.layout.added_columns:
@@ -118,9 +120,16 @@ class PartWriter:
             blocks.setdefault(starts[bisect.bisect_right(starts, ordinal) - 1], []).append(i)
         records = []
         for start, rows in sorted(blocks.items()):
+            # Rows that arrived before come again when Ray Data retries a task that failed
+            # after handing some of its output on: never write a row twice. (A row's samples
+            # travel together, in one batch, so its ordinal stands for all of them.)
+            seen = self.arrived.setdefault(start, set())
+            rows = [i for i in rows if ordinals[i] not in seen]
+            if start in self.written or not rows:
+                continue
             self.pending.setdefault(start, []).append(batch.take(rows))
-            self.arrived.setdefault(start, set()).update(ordinals[i] for i in rows)
-            if len(self.arrived[start]) < self.expected[start]:
+            seen.update(ordinals[i] for i in rows)
+            if len(seen) < self.expected[start]:
                 continue
             pieces = self.pending.pop(start)
             del self.arrived[start]
@@ -128,12 +137,14 @@ class PartWriter:
             if len(pieces) > 1:  # input order; a row's samples keep theirs (stable sort)
                 block = block.take(pc.sort_indices(block.column(columns.ORDINAL)))
             part = self._arrange(block)
-            if self.layout.dedupe:
-                part = self._dedupe(part)
+            if self.layout.dedupe:  # the block too: _merge reads its ordinals row for row
+                keep = self._dedupe(part)
+                block, part = block.take(keep), part.take(keep)
             if self.layout.merge_from is not None:
                 part = self._merge(start, block.column(columns.ORDINAL), part)
             (self.staging / part_name(start)).write(
                 lambda tmp, part=part: pq.write_table(part, tmp))
+            self.written.add(start)
             records.append({"part": part_name(start), **_timing(block),
                             **count_part(part, self.layout.key_column)})
         return pa.Table.from_pylist(records, RECORD_SCHEMA)
@@ -146,14 +157,16 @@ class PartWriter:
         positions = [o - start for o in ordinals.to_pylist()]  # re-run input rows
         taken = set(positions)
         keep = [i for i, offset in enumerate(old_offsets) if offset not in taken]
-        merged = pa.concat_tables([old.take(keep), rows.cast(old.schema)])
+        # (typed: an empty list would be a null array, which take() refuses)
+        merged = pa.concat_tables([old.take(pa.array(keep, pa.int64())), rows.cast(old.schema)])
         # stable sort by input row: a row's samples stay in sample order
         order = pc.sort_indices(pa.array([old_offsets[i] for i in keep] + positions))
         return merged.take(order)
 
-    def _dedupe(self, part: pa.Table) -> pa.Table:
-        """Keep the first of identical generations of one input row (samples without text,
-        failed the same way, count as identical), so every input row keeps one row or more."""
+    def _dedupe(self, part: pa.Table) -> list[int]:
+        """The rows to keep: the first of identical generations of one input row (samples
+        without text, failed the same way, count as identical), so every input row keeps one
+        row or more."""
         keys = part.column(self.layout.key_column).to_pylist()
         texts = part.column(self.layout.text_column).to_pylist()
         seen, keep = set(), []
@@ -161,7 +174,7 @@ class PartWriter:
             if (key, text) not in seen:
                 keep.append(i)
                 seen.add((key, text))
-        return part.take(keep) if len(keep) < part.num_rows else part
+        return keep
 
 
 def _timing(block: pa.Table) -> dict:
@@ -213,6 +226,10 @@ class OutputStore:
     over, resuming and committing. Paths may be local or on an object store."""
 
     def __init__(self, path: str | Location):
+        if isinstance(path, (str, os.PathLike)) and os.path.islink(path):
+            # a link to the real output folder: work beside what it points to, so the commit
+            # renames real folders and the link keeps pointing at the output
+            path = os.path.realpath(path)
         self.path = Location.of(path)
         self.staging = self.path.sibling(".partial")
         self.record = self.path.sibling(".overnight.json")
@@ -225,24 +242,25 @@ class OutputStore:
 
     def write_record(self, record: dict) -> None:
         self.path.parent.mkdir()
-        self.record.write_text(json.dumps(record, indent=2, default=str))
+        self.record.write_text(json.dumps(scrub_record(record), indent=2, default=str))
 
     def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0) -> set[int]:
         """Prepare staging for this job; return the first ordinals of blocks already written."""
-        record = self.read_record()
-        committing = bool(record) and record.get("state") == "committing"
-        if self.path.exists() and not overwrite and not committing:
-            raise OutputError(f"output.path {str(self.path)!r} already exists; "
-                              "pass --overwrite to replace it, or choose another path")
-        if self.staging.exists() and record and record.get("state") in ("running", "committing") \
-                and not overwrite:
+        record = self.read_record() or {}
+        if self.staging.exists() and record.get("state") in ("running", "committing"):
+            # An unfinished run. Of this job: resume it, with or without --overwrite (the
+            # command that started it may have had the flag; "the same command resumes").
             changed = diff_fingerprints(record.get("fingerprint", {}), fingerprint)
-            if changed:
+            if not changed:
+                return self.done_blocks()
+            if not overwrite:
                 raise OutputError(
                     f"{self.staging} holds an unfinished run of a different job "
                     f"({', '.join(changed)} changed); pass --overwrite to discard it, "
                     "or choose another output.path")
-            return self.done_blocks()
+        elif self.path.exists() and not overwrite:
+            raise OutputError(f"output.path {str(self.path)!r} already exists; "
+                              "pass --overwrite to replace it, or choose another path")
         self.staging.remove()
         self.staging.mkdir()
         self.write_record({"state": "running", "started": time.time(),
@@ -254,7 +272,9 @@ class OutputStore:
         errors are linked (copied, on an object store) into staging unchanged; returns
         {block start: input positions}."""
         record = self.read_record()
-        if not self.path.exists() or not record or record.get("state") != "complete":
+        # "retrying": an interrupted retry; the committed output is untouched, start it again
+        if not self.path.exists() or not record or record.get("state") not in ("complete",
+                                                                                 "retrying"):
             raise OutputError(f"--retry-errors: {str(self.path)!r} is not a completed output "
                               "of this job; run it first")
         changed = diff_fingerprints(record.get("fingerprint", {}), fingerprint)
@@ -278,6 +298,11 @@ class OutputStore:
                 (self.path / name).copy_to(self.staging / name)
         self.write_record({**record, "state": "retrying", "retry_started": time.time()})
         return retry
+
+    def discard(self) -> None:
+        """The output, its staging folder and its record, removed."""
+        for where in (self.path, self.staging, self.record):
+            where.remove()
 
     def done_blocks(self) -> set[int]:
         found = (part_ordinal(name) for name in self.staging.names())

@@ -41,3 +41,21 @@ def test_a_block_in_pieces_is_written_once_whole_and_in_order(tmp_path):
     assert part.column("text").to_pylist() == ["4.0", "4.1", "5.0", "5.1", "6.0", "6.1",
                                                "7.0", "7.1"]
     assert writer.pending == {}
+
+
+def test_rows_handed_over_twice_are_written_once(tmp_path):
+    """Ray Data retries a task that failed after handing on part of its output: the rows it
+    hands on again must not reach a part twice, before or after the part is written."""
+    layout = PartLayout(staging=str(tmp_path), source_columns=("title",),
+                        added_columns=(columns.ROW_ID, "text", *columns.GENERATED),
+                        block_starts=(0, 4), block_rows=(4, 4), text_column="text")
+    writer = PartWriter(layout)
+    assert writer(rows([0, 1], samples=2)).num_rows == 0
+    assert writer(rows([0, 1], samples=2)).num_rows == 0  # the retry's first piece again
+    assert writer(rows([0, 1, 2, 3], samples=2))["part"].to_pylist() == [part_name(0)]
+    assert writer(rows([2, 3, 4, 5, 6, 7]))["part"].to_pylist() == [part_name(4)]
+    assert pq.read_table(tmp_path / part_name(0)).column(columns.ROW_ID).to_pylist() == \
+        [0, 0, 1, 1, 2, 2, 3, 3]
+    assert pq.read_table(tmp_path / part_name(4)).column(columns.ROW_ID).to_pylist() == \
+        [4, 5, 6, 7]
+    assert writer.pending == {}
