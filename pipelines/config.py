@@ -125,7 +125,8 @@ class PromptConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy; vLLM allows "
+                               "at most 2.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     max_tokens: int = Field(256, gt=0)
@@ -216,6 +217,17 @@ class JobConfig(_Strict):
         return raw
 
     @model_validator(mode="after")
+    def _truncation_needs_tokens(self) -> JobConfig:
+        if (self.prompt.on_too_long == "truncate" and self.engine.kind == "http"
+                and self.engine.endpoint == "chat"):
+            # the server applies the chat template to whole messages: a prompt cut to fit
+            # as tokens cannot be sent as messages
+            raise ValueError("prompt.on_too_long: truncate needs engine.endpoint: completions "
+                             "(with endpoint: chat the server gets whole messages); or use "
+                             "on_too_long: error or skip")
+        return self
+
+    @model_validator(mode="after")
     def _output_column_free(self) -> JobConfig:
         if self.output.column in columns.GENERATED:
             raise ValueError(
@@ -253,6 +265,10 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         if "input" in first and not isinstance(first["input"], dict):
             what += f" (got {first['input']!r})"
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    if first["type"] == "value_error":  # our own checks: their message names the keys
+        what = what.removeprefix("Value error, ")
+        if not loc:
+            return f"{source}: {what}{more}"
     return f"{source}: {key}: {what}{more}"
 
 

@@ -17,7 +17,7 @@ from pipelines.progress import Progress
 from pipelines.read import read_dataset
 from pipelines.report import build_report, write_report
 from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
-from pipelines.storage import redact
+from pipelines.storage import scrub_record
 from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
 from udfs import columns
 from udfs.columns import ErrorKind
@@ -202,11 +202,17 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         summary.deduped = plan.input.num_rows * config.sampling.n - summary.rows
     summary.rows_resumed = plan.input.num_rows - todo
     summary.seconds = time.time() - started
-    record = {"fingerprint": plan.fingerprint, "fingerprint_hash": plan.fingerprint_hash,
-              "rows_total": plan.input.num_rows,
-              "config": _without_secrets(config.model_dump(mode="json")),
-              "summary": summary.counts()}
-    store.commit(record)
+    record = scrub_record({"fingerprint": plan.fingerprint,
+                           "fingerprint_hash": plan.fingerprint_hash,
+                           "rows_total": plan.input.num_rows,
+                           "config": config.model_dump(mode="json"),
+                           "summary": summary.counts()})
+    try:
+        store.commit(record)
+    except OSError as exc:  # the staged parts stay; the same command commits them
+        raise OutputError(f"output.path {str(store.path)!r}: cannot commit the output: "
+                          f"{' '.join(str(exc).split())[:300]} (the parts written are kept: "
+                          "run the same command again)") from None
     summary.report = build_report(store.path, record, parts=parts, timings={
         "started": started, "planned": planned, "ray_ready": ray_ready,
         "finished": time.time()})
@@ -220,13 +226,6 @@ def summarize_staged(store: OutputStore, key_column: str) -> RunSummary:
     for ordinal in sorted(store.done_blocks()):
         summary.add_part(summarize_part(store.staging / part_name(ordinal), key_column))
     return summary
-
-
-def _without_secrets(config: dict) -> dict:
-    """The config as recorded: object-store URIs without credentials or options."""
-    for section in ("input", "output"):
-        config[section]["path"] = redact(config[section]["path"])
-    return config
 
 
 def _quiet_ray_data(verbose: bool) -> None:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
-from pipelines.read import InputPlan, scan_input
-from pipelines.storage import Location, redact
+from pipelines.read import InputPlan, glob_regex, scan_input
+from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
 from udfs.engine import EngineSpec
 from udfs.parsers import SchemaError, StructuredSpec
@@ -58,6 +61,7 @@ def plan_job(config: JobConfig) -> JobPlan:
                           f"e.g. {str(output).rstrip('/')}/out")
     plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
                       config.input.id_column)
+    check_output_apart(config.input.path, plan, output)
     _check_columns(config, plan, variables)
     max_model_len = _resolve_model(config)
     if config.sampling.max_tokens >= max_model_len:
@@ -92,7 +96,45 @@ def plan_job(config: JobConfig) -> JobPlan:
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(config.engine.kind, config.model.name, engine_options),
                    sampling=sampling, structured=structured,
-                   fingerprint=_fingerprint(config, plan, max_model_len, structured))
+                   # as recorded: no credentials (a resume compares it with the record's)
+                   fingerprint=scrub_record(_fingerprint(config, plan, max_model_len,
+                                                         structured)))
+
+
+def check_output_apart(input_path: str, plan: InputPlan, output: Location) -> None:
+    """The output, its staging folder and its record must not be, hold or sit inside the
+    input: ``--overwrite`` would delete the input, or the next run would read the job's own
+    parts as input."""
+    own = [output, output.sibling(".partial"), output.sibling(".overnight.json")]
+    source = Location.of(input_path)
+    folder = source if not _is_glob(source.path) and source.is_dir() else None
+    pattern = glob_regex(source.path) if _is_glob(source.path) else None
+
+    def where(loc: Location) -> str:
+        return os.path.realpath(loc.path) if loc.local else str(loc)
+
+    def inside(a: str, b: str) -> bool:
+        return a == b or a.startswith(b.rstrip("/") + "/")
+
+    for mine in own:
+        if mine.local != source.local:
+            continue
+        path = where(mine)
+        clash = next((f for f in plan.files if inside(where(f), path)), None)
+        if clash is None and folder is not None and inside(path, where(folder)):
+            clash = folder
+        if clash is None and pattern is not None and (
+                pattern.fullmatch(mine.path) or pattern.fullmatch(mine.path + "/part-0.parquet")
+                or pattern.fullmatch(mine.path + "/part-0.jsonl")):
+            clash = source
+        if clash is not None:
+            raise ConfigError(f"output.path {str(output)!r} overlaps the input ({str(clash)!r}): "
+                              "the job would read or replace its own input; write the output "
+                              "outside the input's folder")
+
+
+def _is_glob(path: str) -> bool:
+    return any(ch in path for ch in "*?[")
 
 
 def _http_engine_options(config: JobConfig) -> dict:
@@ -106,23 +148,27 @@ def _http_engine_options(config: JobConfig) -> dict:
     engine = config.engine
     api_key = None
     if engine.api_key_env:
-        api_key = os.environ.get(engine.api_key_env)
+        api_key = (os.environ.get(engine.api_key_env) or "").strip()
         if not api_key:
             raise ConfigError(f"engine.api_key_env: the environment variable "
                               f"{engine.api_key_env!r} is not set")
+        if not api_key.isprintable() or " " in api_key:  # never shown: it is the secret
+            raise ConfigError(f"engine.api_key_env: the key in {engine.api_key_env!r} holds "
+                              "spaces or control characters; an API key is one printable word")
     served = engine.model or config.model.name
+    shown = redact(engine.base_url)
     try:
         models = list_models(engine.base_url, api_key)
     except httpx.HTTPStatusError as exc:
-        raise JobError(f"engine.base_url {engine.base_url}: GET /models answered "
+        raise JobError(f"engine.base_url {shown}: GET /models answered "
                        f"{exc.response.status_code}"
                        + (" (check the API key)" if exc.response.status_code in (401, 403)
                           else "")) from None
     except (httpx.HTTPError, ValueError) as exc:
-        raise JobError(f"engine.base_url {engine.base_url}: cannot reach the server "
+        raise JobError(f"engine.base_url {shown}: cannot reach the server "
                        f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
     if served not in models:
-        raise JobError(f"engine.model {served!r} is not served at {engine.base_url}; it "
+        raise JobError(f"engine.model {served!r} is not served at {shown}; it "
                        f"serves: {', '.join(map(str, models)) or 'nothing'}")
     return {**engine.model_dump(exclude={"kind", "model", "api_key_env"}),
             "served_model": served, "api_key": Secret(api_key) if api_key else None,
@@ -187,12 +233,24 @@ def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> 
         if column is not None and column not in names:
             raise InputError(f"sampling.{key} {column!r} is not a column of the input; "
                              f"its columns are: {', '.join(names)}")
+        if column is not None and not _COLUMN_TYPES[key](plan.schema.field(column).type):
+            raise InputError(f"sampling.{key} {column!r} is {plan.schema.field(column).type}; "
+                             f"it must hold {_COLUMN_KINDS[key]}")
     clashes = [c for c in config.generated_columns() if c in names]
     if clashes:
         hint = (" (name your id column in input.id_column)" if clashes[0] == columns.ROW_ID
                 else " (rename output.column)" if clashes[0] == config.output.column else "")
         raise InputError(f"the input already has a column {clashes[0]!r}, which the job "
                          f"would add{hint}")
+
+
+_COLUMN_TYPES = {
+    "max_tokens_column": lambda t: pa.types.is_integer(t) or pa.types.is_null(t),
+    "overrides_column": lambda t: (pa.types.is_string(t) or pa.types.is_large_string(t)
+                                   or pa.types.is_struct(t) or pa.types.is_null(t)),
+}
+_COLUMN_KINDS = {"max_tokens_column": "integers",
+                 "overrides_column": "JSON objects (as text) or structs"}
 
 
 def _hashable(value):
@@ -251,4 +309,21 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
         "sampling": config.sampling.model_dump(),
         "output": config.output.model_dump(exclude={"path"}),
         "resources.batch_size": config.resources.batch_size,
+        "engine": _engine_fingerprint(config),
     }
+
+
+# Engine settings that change how fast or where a job runs, not what it writes: a resumed run
+# may change them (a smaller KV cache after running out of memory, say).
+RESOURCE_SETTINGS = {"kv_cache_memory_bytes", "gpu_memory_utilization", "cpu_threads",
+                     "multiprocessing", "enforce_eager", "max_concurrency", "timeout_s",
+                     "max_retries", "backoff_s", "api_key_env"}
+
+
+def _engine_fingerprint(config: JobConfig) -> dict:
+    """The engine settings that can change results: its kind, server, structured-output
+    backend, vLLM's own arguments. A resume never mixes two engines' outputs."""
+    engine = config.engine.model_dump(exclude=RESOURCE_SETTINGS)
+    if "base_url" in engine:
+        engine["base_url"] = redact(engine["base_url"])
+    return engine
