@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from udfs import columns
 from udfs.columns import ErrorKind
@@ -41,6 +42,43 @@ class SamplingSpec:
     max_tokens_column: str | None = None  # each row's own cap, at most max_tokens
     # A column of JSON objects: this row's temperature, top_p, seed, stop, n, json_schema
     overrides_column: str | None = None
+
+
+class RowOverrides(BaseModel):
+    """One row's sampling overrides, as the overrides column holds them (a JSON object, or a
+    struct). Checked here so that a bad value is that row's error, not the engine's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    temperature: float = Field(None, ge=0, le=2)
+    top_p: float = Field(None, gt=0, le=1)
+    seed: int = Field(None)
+    n: int = Field(None, ge=1, le=1024)
+    stop: list[str] = None
+    json_schema: dict = None
+
+    @classmethod
+    def of(cls, value, struct: bool = False) -> dict:
+        """The keys the row sets; ValueError in one line if the value is not valid. A struct
+        column's row holds every field, with null for those the row does not set."""
+        if value is None or value == "":
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("not a JSON object: " + repr(value[:60])) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+        if struct:
+            value = {k: v for k, v in value.items() if v is not None}
+        try:
+            parsed = cls.model_validate(value)
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            got = f" (got {first['input']!r})" if "input" in first and key else ""
+            raise ValueError(f"{key}: {first['msg']}{got}"[:300]) from None
+        return parsed.model_dump(include=parsed.model_fields_set)
 
 
 def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
@@ -90,9 +128,7 @@ class Predictor:
         if self.renderer is not None:
             with self.render_lock:
                 batch = self.renderer(batch)
-        overrides = [json.loads(o) if o else {} for o in (
-            batch.column(self.sampling.overrides_column).to_pylist()
-            if self.sampling.overrides_column else [None] * batch.num_rows)]
+        overrides, refused = self._overrides(batch)
         ns = [o.get("n", self.sampling.n) for o in overrides]
         expand = any(n != 1 for n in ns) or self.sampling.overrides_column is not None
         if expand:  # one row per sample: the source columns repeated
@@ -100,9 +136,12 @@ class Predictor:
             take = [i for i, n in enumerate(ns) for _ in range(n)]
             batch = batch.take(take)
             overrides = [overrides[i] for i in take]
+            refused = {new: refused[old] for new, old in enumerate(take) if old in refused}
         else:
             samples = [0] * batch.num_rows
         token_ids = batch.column(columns.PROMPT_TOKEN_IDS).to_pylist()
+        for i in refused:
+            token_ids[i] = None  # not generated: the row's error says why
         keys = batch.column(self.sampling.key_column).to_pylist()
         caps = (batch.column(self.sampling.max_tokens_column).to_pylist()
                 if self.sampling.max_tokens_column else [None] * batch.num_rows)
@@ -118,6 +157,10 @@ class Predictor:
         finish = batch.column(columns.FINISH_REASON).to_pylist()
         kinds = batch.column(columns.ERROR_KIND).to_pylist()
         errors = batch.column(columns.ERROR).to_pylist()
+        for i, message in refused.items():
+            if kinds[i] is None:  # a render error found first stands
+                kinds[i], errors[i] = ErrorKind.OVERRIDES, f"{self.sampling.overrides_column}: " \
+                    f"{message}"
         for i, result in zip(todo, results):
             if result.error is not None:
                 kinds[i], errors[i] = ErrorKind.ENGINE, result.error
@@ -140,6 +183,22 @@ class Predictor:
                 .append_column(columns.COMPLETION_TOKENS, pa.array(completion, pa.int64()))
                 .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
                 .append_column(columns.ERROR, pa.array(errors, pa.string())))
+
+    def _overrides(self, batch: pa.Table) -> tuple[list[dict], dict[int, str]]:
+        """Each row's sampling overrides, and the rows whose overrides are not valid (they
+        run as one sample, not generated, with that error)."""
+        column = self.sampling.overrides_column
+        if column is None:
+            return [{} for _ in range(batch.num_rows)], {}
+        struct = pa.types.is_struct(batch.schema.field(column).type)
+        parsed, refused = [], {}
+        for i, value in enumerate(batch.column(column).to_pylist()):
+            try:
+                parsed.append(RowOverrides.of(value, struct))
+            except ValueError as exc:
+                parsed.append({})
+                refused[i] = str(exc)
+        return parsed, refused
 
     def close(self) -> None:
         self.engine.close()

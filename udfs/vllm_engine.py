@@ -215,6 +215,12 @@ class _Stepper:
             return
         self.inbox.put(batch)
         self.wake.set()
+        if self.broken is not None or not self.thread.is_alive():
+            # the stepper broke (or stopped) after the check above and may have drained its
+            # inbox already: fail what is left there rather than wait forever
+            failure = RuntimeError(f"the engine failed: {_one_line(self.broken)}"
+                                   if self.broken else "the engine was closed")
+            _fail_all(self.inbox, failure)
 
     def stop(self) -> None:
         self.stopping = True
@@ -259,8 +265,7 @@ class _Stepper:
                 batch.fail(exc)
             for batch in self.waiting.batches():
                 batch.fail(exc)
-            while not self.inbox.empty():
-                self.inbox.get().fail(exc)
+            _fail_all(self.inbox, exc)
 
     def _queue(self, batch: _Batch) -> None:
         for index in range(len(batch.requests)):
@@ -269,9 +274,9 @@ class _Stepper:
     def _add(self, batch: _Batch, index: int) -> None:
         engine, request = self.engine, batch.requests[index]
         request_id = f"overnight-{next(self.counter)}"
-        params = engine._sampling_params(request)
-        params.output_kind = engine._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
-        try:
+        try:  # the sampling values too: one vLLM refuses is this request's error
+            params = engine._sampling_params(request)
+            params.output_kind = engine._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
             engine.llm.llm_engine.add_request(request_id, engine._prompt(request), params)
         except engine._request_errors as exc:  # this request only: a row error
             batch.set(index, GenerationResult(None, None, None, error=_one_line(exc)))
@@ -299,6 +304,15 @@ class _Waiting:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+
+def _fail_all(inbox: queue.SimpleQueue, failure: BaseException) -> None:
+    """Fail every batch still in ``inbox`` (two threads may drain it at once)."""
+    while True:
+        try:
+            inbox.get_nowait().fail(failure)
+        except queue.Empty:
+            return
 
 
 def _default(value, fallback):
