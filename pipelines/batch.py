@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipelines.config import JobConfig, apply_overrides, load_config
 from pipelines.errors import ConfigError, InputError, OutputError
+from pipelines.storage import scrub_record
 from pipelines.write import write_atomically
 from udfs import columns
 
@@ -183,12 +184,16 @@ def _response_format(fmt: dict) -> dict:
         if not isinstance(schema, dict):
             raise _Reject("invalid_body", "body.response_format.json_schema.schema must be "
                           "a JSON Schema object")
-        from udfs.parsers import SchemaError, StructuredSpec
+        import jsonschema
 
+        # A valid JSON Schema is all the engine needs: a Batch result is text, never parsed
+        # into a typed column (so $ref, anyOf and free-form objects are all fine)
         try:
-            StructuredSpec(json_schema=schema).check()
-        except SchemaError as exc:
-            raise _Reject("invalid_body", f"body.response_format: {exc}") from None
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            where = "/".join(map(str, exc.path)) or "the top level"
+            raise _Reject("invalid_body", f"body.response_format.json_schema.schema: at "
+                          f"{where}: {exc.message}"[:300]) from None
         return {"json_schema": schema}
     if kind == "json_object":
         return {"json_schema": {"type": "object"}}
@@ -370,8 +375,10 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
 
     work = results.with_name(results.name + ".overnight")
     work.mkdir(parents=True, exist_ok=True)
-    source = {"path": str(requests.resolve()), "size": requests.stat().st_size,
-              "mtime": requests.stat().st_mtime, "max_model_len": max_model_len}
+    # what the results depend on: the file, and the model and settings it runs with
+    source = scrub_record({"path": str(requests.resolve()), "size": requests.stat().st_size,
+                           "mtime": requests.stat().st_mtime, "max_model_len": max_model_len,
+                           "model": model, "config": base})
     manifest = work / "source.json"
     unchanged = manifest.exists() and json.loads(manifest.read_text()) == source \
         and (work / "requests.parquet").exists()
@@ -395,7 +402,9 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
             summary = run_job(job, overwrite=True, progress=progress)
         elif record.get("state") != "complete":  # the same file, interrupted: resume
             summary = run_job(job, progress=progress)
-    else:
+    else:  # nothing to run: no result may come from an earlier file's parts
+        if not unchanged or overwrite:
+            OutputStore(str(job_output)).discard()
         job_output.mkdir(exist_ok=True)
     ok, failed = write_results(job_output, prepared.errors, results, errors, model)
     return {"requests": prepared.requests + prepared.rejected, "results": ok, "errors": failed,

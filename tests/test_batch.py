@@ -194,3 +194,45 @@ def test_the_cli_runs_a_file_and_refuses_to_overwrite(batch, tiny_model):
     assert run.returncode == 2
     assert run.stderr.strip() == (f"overnight: error: {root / 'results.jsonl'} already exists; "
                                   "pass --overwrite to replace it")
+
+
+PYDANTIC_SCHEMA = {  # what pydantic's model_json_schema() writes: $defs, $ref, anyOf
+    "$defs": {"Size": {"type": "object", "properties": {"cm": {"type": "integer"}},
+                       "required": ["cm"]}},
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8},
+                   "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                   "size": {"$ref": "#/$defs/Size"}, "extra": {"type": "object"}},
+    "required": ["name", "note", "size", "extra"]}
+
+
+def test_a_file_is_run_again_for_another_model_and_never_answered_from_old_parts(
+        tiny_model, ray_cluster, tmp_path):
+    """Results depend on the file, the model and the settings: another --model runs again;
+    a new file with no runnable line gives no result from the previous file's parts. A
+    pydantic-shaped response_format schema runs."""
+    other = tmp_path / "other-model"
+    other.symlink_to(tiny_model)  # the same weights under another name
+    requests, results = tmp_path / "req.jsonl", tmp_path / "out.jsonl"
+    requests.write_text("\n".join(json.dumps(line) for line in [
+        chat("a", "Name a colour.", max_tokens=4, temperature=0),
+        chat("typed", "Describe a box.", max_tokens=60, temperature=0,
+             response_format={"type": "json_schema",
+                              "json_schema": {"name": "box", "schema": PYDANTIC_SCHEMA}})]))
+    first = run_batch_file(requests, results, model=tiny_model, overrides=SETTINGS)
+    assert first["results"] == 2 and first["errors"] == 0
+    again = run_batch_file(requests, results, model=str(other), overrides=SETTINGS,
+                           overwrite=True)
+    assert again["summary"] is not None  # generated again, not read from the old parts
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert {line["response"]["body"]["model"] for line in lines} == {str(other)}
+    typed = next(line for line in lines if line["custom_id"] == "typed")["response"]["body"]
+    choice = typed["choices"][0]  # ran (it was refused as invalid_body)
+    if choice["finish_reason"] == "stop":  # the random model may run out of tokens first
+        jsonschema.validate(json.loads(choice["message"]["content"]), PYDANTIC_SCHEMA)
+
+    requests.write_text('{"custom_id": "x", "method": "POST", "url": "/v1/nope", "body": {}}\n')
+    counts = run_batch_file(requests, results, model=tiny_model, overrides=SETTINGS,
+                            overwrite=True)
+    assert (counts["results"], counts["errors"]) == (0, 1)
+    assert results.read_text() == ""

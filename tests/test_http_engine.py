@@ -134,6 +134,18 @@ def test_429_is_retried_and_the_key_is_never_written(server, http_job, llm, monk
     assert "OVERNIGHT_TEST_KEY" in written and SECRET not in written
 
 
+def test_credentials_in_the_base_url_stay_out_of_the_record_and_the_report(server, http_job,
+                                                                          tmp_path):
+    url = server.base_url.replace("http://", "http://someone:pw-in-url-7@")
+    config = http_job(url, name="creds", rows=ROWS[:3])
+    run_job(config)
+    written = "".join(p.read_text() for p in tmp_path.glob("creds*.json"))
+    written += "".join(p.read_text() for p in (tmp_path / "creds").glob("*")
+                       if p.suffix != ".parquet")
+    assert "pw-in-url-7" not in written and "someone" not in written
+    assert server.base_url.split("//")[1] in written  # the server is named, without them
+
+
 def test_client_error_is_that_rows_error(server, tiny_model):
     engine = build_engine(EngineSpec("http", tiny_model, {"base_url": server.base_url,
                                                           "max_retries": 0}))
