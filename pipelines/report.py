@@ -136,7 +136,8 @@ def _times(timings: dict, parts: list[dict]) -> dict:
         per_replica.append({"node": where.get("node"), "node_id": where.get("node_id"),
                             "actor": where.get("actor"),
                             "gpus": where.get("gpus", []),
-                            "cpu_threads": where.get("cpu_threads"), **r, "seconds": round(busy, 2),
+                            "cpu_threads": where.get("cpu_threads"), "dtype": where.get("dtype"),
+                            **r, "seconds": round(busy, 2),
                             "output_tokens_per_s": round(r["output_tokens"] / busy, 1)})
     timeline = sorted(({"t": round(p["done_at"] - started, 2), "rows": p["rows"],
                         "output_tokens": p["completion_tokens"]} for p in generated),
@@ -202,7 +203,8 @@ def report_lines(report: dict) -> list[str]:
             gpus = ",".join(r["gpus"]) or (f"- ({r['cpu_threads']} CPU threads)"
                                            if r.get("cpu_threads") else "-")
             lines.append(f"  replica {r['node']} node {r.get('node_id')} actor {r['actor']} "
-                         f"gpus {gpus}: "
+                         f"gpus {gpus}"
+                         + (f", {r['dtype']}" if r.get("dtype") else "") + ": "
                          f"{r['rows']} rows, {r['output_tokens']:,} tok, "
                          f"{r['output_tokens_per_s']:,.0f} tok/s")
     cost = report.get("cost")

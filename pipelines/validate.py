@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pipelines.config import JobConfig
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.read import read_block
+from pipelines.storage import redact
 from udfs import columns
 from udfs.prompts import PromptRenderer
 
@@ -41,8 +42,11 @@ class ValidationReport:
                f"max_tokens {p.render.max_tokens})"]
         if p.engine.kind == "http":
             o = p.engine.options
-            out.append(f"server: {o['base_url']} serves {', '.join(o['served_models'])}; "
+            out.append(f"server: {redact(o['base_url'])} serves "
+                       f"{', '.join(o['served_models'])}; "
                        f"the job uses {o['served_model']!r} ({o['endpoint']} endpoint)")
+        else:
+            out.append(f"dtype: {_dtype_line(p.config.model.dtype)}")
         if self.lengths:
             out.append("prompt tokens: " + ", ".join(
                 f"p{int(q * 100)} {self.percentile(q)}" for q in (0.5, 0.9, 0.99))
@@ -57,6 +61,17 @@ class ValidationReport:
         for i, text in enumerate(self.samples):
             out.append(f"--- prompt {i + 1} ---\n{text}")
         return out
+
+
+def _dtype_line(configured: str) -> str:
+    """What the engine will compute in: ``auto`` on a CPU is decided here (udfs/platform.py);
+    on a GPU vLLM takes the model's own."""
+    if configured != "auto":
+        return configured
+    from udfs.platform import auto_dtype
+
+    return (f"auto: {auto_dtype('cpu')} where the engine runs on this machine's CPU; on a "
+            "GPU, the model's own dtype")
 
 
 def validate_job(config: JobConfig) -> ValidationReport:

@@ -76,10 +76,22 @@ def hardened(tiny_model, ray_cluster, tmp_path_factory):
                         output={"path": str(root / "out"), "column": "rewritten",
                                 "dedupe": True},
                         resources={"batch_size": 4})
+    config["model"]["dtype"] = "auto"  # float32 on a CPU without native bfloat16
     path = root / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     assert cli("run", path, "--quiet") == (0, "", "")
     return root, path, pl.read_parquet(root / "out")
+
+
+def test_dtype_auto_on_a_cpu_is_what_the_processor_runs_fast_and_the_report_says_so(
+        hardened, capsys):
+    from udfs.platform import auto_dtype
+
+    root, path, _ = hardened
+    code, out, _ = cli("report", root / "out", capsys=capsys)
+    assert code == 0 and f"CPU threads), {auto_dtype('cpu')}:" in out
+    code, out, _ = cli("validate", path, capsys=capsys)
+    assert code == 0 and f"dtype: auto: {auto_dtype('cpu')} where the engine runs" in out
 
 
 def test_jsonl_keys_missing_from_the_first_row_are_kept(hardened):

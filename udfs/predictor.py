@@ -100,7 +100,9 @@ class Predictor:
         self.render_lock = threading.Lock()
         self.engine = build_engine(engine)
         threads = getattr(self.engine, "cpu_threads", None)  # a CPU engine's compute threads
-        self.replica = json.dumps({**where, "cpu_threads": threads} if threads else where)
+        dtype = getattr(self.engine, "dtype", None)
+        self.replica = json.dumps({**where, **({"cpu_threads": threads} if threads else {}),
+                                   **({"dtype": dtype} if dtype else {})})
         self.sampling = sampling
         self.output_column = output_column
         self.ready_at = time.time()

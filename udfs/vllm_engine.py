@@ -77,7 +77,7 @@ class VLLMEngine:
             model=spec.model,
             tokenizer=spec.model,
             max_model_len=opts.pop("max_model_len", None),
-            dtype=opts.pop("dtype", "auto"),
+            dtype=_dtype(opts.pop("dtype", "auto"), cpu),
             tensor_parallel_size=opts.pop("tensor_parallel_size", 1),
             pipeline_parallel_size=opts.pop("pipeline_parallel_size", 1),
             trust_remote_code=opts.pop("trust_remote_code", False),
@@ -105,6 +105,8 @@ class VLLMEngine:
         self.llm = None
         # On CPU the stepper thread builds the engine as well as running it: see _Stepper
         self._stepper = _Stepper(self, build=lambda: vllm.LLM(**kwargs), build_there=cpu)
+        # what the engine computes in, as the run report names it
+        self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
     def _sampling_params(self, req: GenerationRequest):
         return self._vllm.SamplingParams(
@@ -313,6 +315,16 @@ def _fail_all(inbox: queue.SimpleQueue, failure: BaseException) -> None:
             inbox.get_nowait().fail(failure)
         except queue.Empty:
             return
+
+
+def _dtype(configured: str, cpu: bool) -> str:
+    """vLLM's ``auto`` is bfloat16 on a CPU, several times slower than float32 where the CPU
+    has no native bfloat16 (udfs/platform.py): there ``auto`` means float32."""
+    if configured != "auto" or not cpu:
+        return configured
+    from udfs.platform import auto_dtype
+
+    return auto_dtype("cpu")
 
 
 def _default(value, fallback):
