@@ -1,18 +1,16 @@
-"""Structured output and synthetic data: the shipped configs, run on the tiny model."""
+"""Structured output and synthetic data: the shipped configs, run on the tiny model (the
+parser itself, its misfits and its fuzz: test_parsers.py)."""
 
 from __future__ import annotations
 
 import json
 
 import polars as pl
-import pyarrow as pa
 import pytest
 
 from pipelines import load_config, run_job
 from pipelines.errors import ConfigError
 from pipelines.preflight import plan_job
-from udfs.columns import ErrorKind
-from udfs.parsers import OutputParser, StructuredSpec, schema_to_arrow
 
 from conftest import KV_CACHE, REPO
 
@@ -99,30 +97,3 @@ def test_invalid_schema_is_a_job_error_before_the_engine(tmp_path):
     config["structured"] = {"choice": ["a"], "regex": "b"}
     with pytest.raises(ConfigError, match="give exactly one of json_schema, choice, regex"):
         load_config(config)
-
-
-def test_truncated_or_invalid_output_keeps_its_text_and_gets_an_error():
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}},
-              "required": ["n"]}
-    parser = OutputParser(StructuredSpec(json_schema=schema), "text")
-    batch = pa.table({"text": ['{"n": 2}', '{"n": 1', '{"n": 9}', None],
-                      "error_kind": [None, None, None, "null_field"],
-                      "error": [None, None, None, "column 'x' is null"]})
-    out = parser(batch).to_pylist()
-    assert out[0]["parsed"] == {"n": 2} and out[0]["error"] is None
-    assert out[1]["error_kind"] == ErrorKind.PARSE and "not valid JSON" in out[1]["error"]
-    assert out[1]["text"] == '{"n": 1' and out[1]["parsed"] is None
-    assert "does not match the schema at n" in out[2]["error"]
-    assert out[3]["error_kind"] == "null_field"
-
-
-def test_schema_types_map_to_arrow():
-    schema = {"type": "object", "properties": {
-        "s": {"type": "string"}, "i": {"type": "integer"}, "f": {"type": "number"},
-        "b": {"type": "boolean"}, "e": {"enum": ["x", "y"]}, "opt": {"type": ["string", "null"]},
-        "l": {"type": "array", "items": {"type": "integer"}},
-        "o": {"type": "object", "properties": {"k": {"type": "string"}}}}}
-    assert schema_to_arrow(schema) == pa.struct([
-        ("s", pa.string()), ("i", pa.int64()), ("f", pa.float64()), ("b", pa.bool_()),
-        ("e", pa.string()), ("opt", pa.string()), ("l", pa.list_(pa.int64())),
-        ("o", pa.struct([("k", pa.string())]))])
