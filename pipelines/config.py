@@ -42,7 +42,19 @@ class ModelConfig(_Strict):
     trust_remote_code: bool = Field(False, description="Allow the model's own Python code.")
 
 
-class VLLMEngineConfig(_Strict):
+class _EngineRecovery(_Strict):
+    """What happens when an engine dies (udfs/recovery.py): it is replaced, its blocks
+    retried, rows that kill engines isolated."""
+
+    max_restarts: int = Field(
+        32, ge=0, description="Engine deaths a job survives (each replaced, its blocks "
+        "retried); one more stops the job. Isolating a poison row costs up to ~9 deaths.")
+    stall_timeout_s: float = Field(
+        600.0, gt=0, description="An in-process engine that holds unfinished requests but "
+        "finishes no step for this long counts as dead: replaced, its blocks retried.")
+
+
+class VLLMEngineConfig(_EngineRecovery):
     kind: Literal["vllm"] = "vllm"
     kv_cache_memory_bytes: int | None = Field(
         None, gt=0,
@@ -75,7 +87,7 @@ class VLLMEngineConfig(_Strict):
     )
 
 
-class HTTPEngineConfig(_Strict):
+class HTTPEngineConfig(_EngineRecovery):
     """Any OpenAI-compatible server as the engine (vllm serve, SGLang, llama.cpp, Ollama)."""
 
     kind: Literal["http"]

@@ -40,6 +40,7 @@ class RunSummary:
     output: str = ""
     structured: bool = False
     deduped: int | None = None  # with output.dedupe: duplicate samples dropped
+    recovery: dict | None = None  # engine restarts, retried blocks, isolated rows
     report: dict | None = None  # the run report (pipelines/report.py), once committed
     report_path: str | None = None
 
@@ -89,7 +90,7 @@ class RunSummary:
 
 
 def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int],
-                  only_rows: dict[int, list[int]] | None = None):
+                  only_rows: dict[int, list[int]] | None = None, health: str | None = None):
     """The Ray Data chain; each stage is one ``map_batches`` over whole blocks."""
     replicas = plan_replicas(plan.config)
     ds = read_dataset(plan.input, skip_blocks, only_rows)
@@ -103,7 +104,9 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     ds = ds.map_batches(Predictor,
                         fn_constructor_kwargs={"engine": engine, "sampling": plan.sampling,
                                                "output_column": plan.config.output.column,
-                                               "render": plan.render},
+                                               "render": plan.render, "health": health,
+                                               "stall_timeout_s":
+                                                   plan.config.engine.stall_timeout_s},
                         # by rows, not whole blocks (Ray Data insists on it for GPU stages):
                         # the writer puts blocks back together
                         batch_format="pyarrow", batch_size=plan.config.resources.batch_size,
@@ -177,7 +180,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         check_paths_shared([os.path.abspath(loc.path) for loc in (*plan.input.files,
                                                                    store.staging) if loc.local])
         _quiet_ray_data(verbose)
-        ds = build_dataset(plan, layout, frozenset(done), only_rows)
+        health = _Health(plan.config.engine.max_restarts)
+        ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name)
         try:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow") if ds else ():
                 for record in batch.to_pylist():
@@ -186,9 +190,11 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
                                     sum(json.loads(record["errors"]).values()))
         except Exception as exc:  # an engine that would not start or died; a failed write
             progress.finish()
+            health.close()
             raise StageError(f"the job stopped: {root_cause(exc)} (the parts written are "
                              "kept, and the same command resumes from them; --debug shows "
                              "the traceback)") from exc
+        recovery = health.close()
     progress.finish()
     written = store.done_blocks()
     missing = [b.ordinal for b in plan.input.blocks if b.ordinal not in written]
@@ -202,6 +208,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         summary.deduped = plan.input.num_rows * config.sampling.n - summary.rows
     summary.rows_resumed = plan.input.num_rows - todo
     summary.seconds = time.time() - started
+    summary.recovery = recovery
     record = scrub_record({"fingerprint": plan.fingerprint,
                            "fingerprint_hash": plan.fingerprint_hash,
                            "rows_total": plan.input.num_rows,
@@ -218,6 +225,31 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         "finished": time.time()})
     summary.report_path = str(write_report(store.path, summary.report))
     return summary
+
+
+class _Health:
+    """The job's EngineHealth actor (udfs/recovery.py), and its summary once the job ends."""
+
+    def __init__(self, max_restarts: int):
+        import uuid
+
+        import ray
+
+        from udfs.recovery import EngineHealth
+
+        self.name = f"overnight-health-{uuid.uuid4().hex[:12]}"
+        self.actor = ray.remote(EngineHealth).options(
+            name=self.name, num_cpus=0, lifetime=None).remote(max_restarts)
+
+    def close(self) -> dict:
+        import ray
+
+        try:
+            return ray.get(self.actor.summary.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the summary is a report's extra, never a failure
+            return {}
+        finally:
+            ray.kill(self.actor)
 
 
 def summarize_staged(store: OutputStore, key_column: str) -> RunSummary:

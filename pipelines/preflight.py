@@ -83,7 +83,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         "tensor_parallel_size": config.model.tensor_parallel_size,
         "pipeline_parallel_size": config.model.pipeline_parallel_size,
         "trust_remote_code": config.model.trust_remote_code,
-        **config.engine.model_dump(exclude={"kind"}),
+        **config.engine.model_dump(exclude={"kind", *RECOVERY_SETTINGS}),
     })
     s = config.sampling
     sampling = SamplingSpec(
@@ -170,7 +170,7 @@ def _http_engine_options(config: JobConfig) -> dict:
     if served not in models:
         raise JobError(f"engine.model {served!r} is not served at {shown}; it "
                        f"serves: {', '.join(map(str, models)) or 'nothing'}")
-    return {**engine.model_dump(exclude={"kind", "model", "api_key_env"}),
+    return {**engine.model_dump(exclude={"kind", "model", "api_key_env", *RECOVERY_SETTINGS}),
             "served_model": served, "api_key": Secret(api_key) if api_key else None,
             "served_models": models}
 
@@ -315,9 +315,10 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
 
 # Engine settings that change how fast or where a job runs, not what it writes: a resumed run
 # may change them (a smaller KV cache after running out of memory, say).
+RECOVERY_SETTINGS = {"max_restarts", "stall_timeout_s"}  # the pipeline's, not the engine's
 RESOURCE_SETTINGS = {"kv_cache_memory_bytes", "gpu_memory_utilization", "cpu_threads",
                      "multiprocessing", "enforce_eager", "max_concurrency", "timeout_s",
-                     "max_retries", "backoff_s", "api_key_env"}
+                     "max_retries", "backoff_s", "api_key_env", *RECOVERY_SETTINGS}
 
 
 def _engine_fingerprint(config: JobConfig) -> dict:

@@ -72,6 +72,7 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
         "tokens": {"prompt": _stats(table[columns.PROMPT_TOKENS]),
                    "output": _stats(table[columns.COMPLETION_TOKENS])},
         "histogram": {"output_tokens": _histogram(table[columns.COMPLETION_TOKENS])},
+        "recovery": summary.get("recovery") or {},
     }
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
     if timings and parts is not None:
@@ -176,6 +177,19 @@ def load_report(output: str) -> dict:
     return build_report(output, record)
 
 
+def _recovery_lines(recovery: dict) -> list[str]:
+    """Engine restarts with their causes, blocks retried, rows isolated (udfs/recovery.py)."""
+    restarts = recovery.get("restarts") or []
+    if not restarts and not recovery.get("retried_blocks"):
+        return []
+    lines = [f"recovery     {len(restarts)} engine restart(s), "
+             f"{recovery.get('retried_blocks', 0)} block(s) retried, "
+             f"{recovery.get('isolated_rows', 0)} row(s) isolated as engine_crash"]
+    for r in restarts:
+        lines.append(f"  restart    actor {str(r.get('actor'))[:12]}: {r.get('cause')}")
+    return lines
+
+
 def report_lines(report: dict) -> list[str]:
     rows, tok = report["rows"], report["tokens"]
     model = report.get("model") or {}
@@ -186,6 +200,7 @@ def report_lines(report: dict) -> list[str]:
              + (f" ({rows['resumed']} from an earlier run)" if rows.get("resumed") else "")]
     for kind, e in rows["errors_by_kind"].items():
         lines.append(f"  {kind:<11}{e['count']}  e.g. {', '.join(map(str, e['examples']))}")
+    lines.extend(_recovery_lines(report.get("recovery") or {}))
     for name, label in (("prompt", "tokens in"), ("output", "tokens out")):
         s = tok[name]
         lines.append(f"{label:<13}total {s['total']:,}  mean {_num(s['mean'])}  p50 "

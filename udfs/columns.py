@@ -40,6 +40,7 @@ class ErrorKind:
     RENDER = "render_error"  # the template failed on this row's values
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens exceeds max_model_len
     ENGINE = "engine_error"  # the engine rejected or failed this request
+    ENGINE_CRASH = "engine_crash"  # engines died whenever this row reached them
     OVERRIDES = "invalid_overrides"  # the row's sampling overrides (overrides_column) are bad
     PARSE = "parse_error"  # structured output did not parse or validate (e.g. cut off)
 

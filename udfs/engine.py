@@ -44,6 +44,7 @@ class GenerationResult:
     finish_reason: str | None
     completion_tokens: int | None
     error: str | None = None  # set when this request failed; the others are unaffected
+    error_kind: str | None = None  # with error: its ErrorKind; default engine_error
 
 
 class Engine(Protocol):

@@ -22,6 +22,7 @@ from udfs import columns
 from udfs.columns import ErrorKind
 from udfs.engine import EngineSpec, GenerationRequest, build_engine
 from udfs.prompts import PromptRenderer, RenderSpec
+from udfs.recovery import Recovery
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,18 @@ class Predictor:
     Without ``render``, its input is a ``PromptRenderer``'s output."""
 
     def __init__(self, engine: EngineSpec, sampling: SamplingSpec, output_column: str,
-                 render: RenderSpec | None = None):
+                 render: RenderSpec | None = None, health: str | None = None,
+                 stall_timeout_s: float | None = None):
         where = replica_label()  # before the engine takes its placement group's GPUs
+        # engine death, poison rows and stalls (udfs/recovery.py); past the restart bound
+        # this refuses before an engine is built
+        self.recovery = Recovery(health, stall_timeout_s)
         self.renderer = PromptRenderer(render) if render is not None else None
         # blocks arrive on several threads at once; a fast tokenizer is not to be shared
         # across threads mid-call
         self.render_lock = threading.Lock()
         self.engine = build_engine(engine)
+        self.recovery.watch(self.engine)
         threads = getattr(self.engine, "cpu_threads", None)  # a CPU engine's compute threads
         dtype = getattr(self.engine, "dtype", None)
         self.replica = json.dumps({**where, **({"cpu_threads": threads} if threads else {}),
@@ -127,6 +133,7 @@ class Predictor:
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        block = batch.column(columns.ORDINAL)[0].as_py() if batch.num_rows else -1
         if self.renderer is not None:
             with self.render_lock:
                 batch = self.renderer(batch)
@@ -150,9 +157,9 @@ class Predictor:
         messages = (batch.column(columns.PROMPT_MESSAGES).to_pylist()
                     if columns.PROMPT_MESSAGES in batch.column_names else [None] * batch.num_rows)
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
-        results = self.engine.generate([self._request(token_ids[i], keys[i], samples[i],
-                                                      caps[i], messages[i], overrides[i])
-                                        for i in todo])
+        results = self.recovery.generate(self.engine, block, [
+            self._request(token_ids[i], keys[i], samples[i], caps[i], messages[i], overrides[i])
+            for i in todo])
 
         rows = batch.num_rows
         text, completion = [None] * rows, [None] * rows
@@ -165,7 +172,7 @@ class Predictor:
                     f"{message}"
         for i, result in zip(todo, results):
             if result.error is not None:
-                kinds[i], errors[i] = ErrorKind.ENGINE, result.error
+                kinds[i], errors[i] = result.error_kind or ErrorKind.ENGINE, result.error
                 continue
             text[i], finish[i], completion[i] = (result.text, result.finish_reason,
                                                  result.completion_tokens)

@@ -11,6 +11,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from typing import Sequence
 
 from udfs.engine import EngineSpec, GenerationRequest, GenerationResult
@@ -136,6 +137,10 @@ class VLLMEngine:
             raise batch.failure
         return batch.results
 
+    def stalled_for(self) -> float:
+        """Seconds the engine has held unfinished requests without finishing a step."""
+        return self._stepper.stalled_for()
+
     def close(self) -> None:
         stepper = getattr(self, "_stepper", None)
         if stepper is not None:
@@ -197,6 +202,7 @@ class _Stepper:
         self.pending: dict[str, tuple[_Batch, int]] = {}  # in the engine, by request id
         self.counter = itertools.count()
         self.steps = 0
+        self.busy_since: float | None = None  # last step finished, or work arrived (monotonic)
         self.broken: BaseException | None = None
         self.stopping = False
         self.wake = threading.Event()
@@ -210,6 +216,11 @@ class _Stepper:
         self.built.wait()
         if self.broken is not None:  # the engine did not build: the constructor says why
             raise self.broken
+
+    def stalled_for(self) -> float:
+        """Seconds since the last step finished while requests are unfinished (0 when idle)."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def submit(self, batch: _Batch) -> None:
         if self.broken is not None:
@@ -253,14 +264,18 @@ class _Stepper:
                 while self.waiting and len(self.pending) < slots:
                     self._add(*self.waiting.pop())
                 if not llm_engine.has_unfinished_requests():
+                    self.busy_since = None
                     self.wake.wait(timeout=0.5)
                     self.wake.clear()
                     continue
+                if self.busy_since is None:
+                    self.busy_since = time.monotonic()
                 for out in llm_engine.step():
                     if out.finished and out.request_id in self.pending:
                         batch, index = self.pending.pop(out.request_id)
                         batch.set(index, _result(out))
                 self.steps += 1
+                self.busy_since = time.monotonic()
         except BaseException as exc:  # the engine is gone: fail every waiting block
             self.broken = exc
             for batch, _ in list(self.pending.values()):
@@ -270,6 +285,8 @@ class _Stepper:
             _fail_all(self.inbox, exc)
 
     def _queue(self, batch: _Batch) -> None:
+        if self.busy_since is None:  # work waits from now: a stall counts from here
+            self.busy_since = time.monotonic()
         for index in range(len(batch.requests)):
             self.waiting.push(batch, index, self.steps)
 
