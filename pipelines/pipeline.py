@@ -18,6 +18,7 @@ from pipelines.read import read_dataset
 from pipelines.report import build_report, write_report
 from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
 from pipelines.storage import scrub_record
+from pipelines.watchdog import watch
 from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
 from udfs import columns
 from udfs.columns import ErrorKind
@@ -183,7 +184,9 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         health = _Health(plan.config.engine.max_restarts)
         ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name)
         try:
-            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow") if ds else ():
+            # watch(): a job that writes nothing for a while says what it waits for
+            for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),
+                               config) if ds else ():
                 for record in batch.to_pylist():
                     parts.append(record)
                     progress.update(record["input_rows"], record["completion_tokens"],

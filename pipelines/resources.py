@@ -1,7 +1,9 @@
 """Where the job runs: the Ray session, and how many engine replicas with what resources.
 
-Ray does all the scheduling; this module only turns the config into Ray resource requests and
-refuses, with a clear line, a request that the cluster can never satisfy (Ray would wait forever).
+Ray does all the scheduling; this module only turns the config into Ray resource requests
+sized so that the whole chain fits the cluster at once, and refuses, with a clear line, a request
+that the cluster can never satisfy (Ray would wait forever, saying nothing: four GPU engines that
+took a whole CPU each on a 4-GPU, 4-CPU cluster left none for reading and writing).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -18,6 +21,7 @@ from pipelines.errors import JobError
 # Light stages (read, parse, write) take a fraction of a CPU, so on a small machine they never
 # starve the engine of the cores it needs, nor deadlock waiting for them.
 LIGHT_STAGE_CPUS = 0.25
+LIGHT_STAGES_CPUS = 3 * LIGHT_STAGE_CPUS  # a read task, the parser and the writer, at once
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,22 @@ class ReplicaPlan:
     # CPU engines: compute threads each (the node's cores shared among its replicas), where
     # Ray would set an actor's threads to its whole reserved CPUs
     cpu_threads: int | None = None
+    group_cpus: float = 1.0  # CPU in each GPU's bundle of the placement group
+
+    def needs(self) -> dict[str, float]:
+        """What all the engines reserve together, as Ray resources."""
+        gpus = self.replicas * (self.group_gpus or self.num_gpus)
+        cpus = self.replicas * (self.group_cpus * self.group_gpus if self.group_gpus
+                                else self.num_cpus)
+        return {"GPU": gpus, "CPU": cpus}
 
     def remote_args(self) -> dict:
         """Ray resource arguments for the predictor's ``map_batches``."""
         args: dict = {"num_cpus": self.num_cpus}
         if self.group_gpus:
             args["ray_remote_args_fn"] = functools.partial(
-                placement_group_strategy, self.group_gpus, self.accelerator_type)
+                placement_group_strategy, self.group_gpus, self.accelerator_type,
+                self.group_cpus)
         elif self.num_gpus:
             args["num_gpus"] = self.num_gpus
             if self.accelerator_type:
@@ -48,13 +61,14 @@ class ReplicaPlan:
         return args
 
 
-def placement_group_strategy(gpus: int, accelerator_type: str | None) -> dict:
+def placement_group_strategy(gpus: int, accelerator_type: str | None,
+                             cpus: float = 1.0) -> dict:
     """One replica's GPUs as a placement group packed on one node; the actor and everything
     it starts (vLLM's Ray workers) run inside it."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {"GPU": 1, "CPU": 1}
+    bundle = {"GPU": 1, "CPU": cpus} if cpus else {"GPU": 1}
     if accelerator_type:
         bundle[f"accelerator_type:{accelerator_type}"] = 0.001
     group = ray.util.placement_group([dict(bundle) for _ in range(gpus)],
@@ -133,11 +147,18 @@ def plan_replicas(config: JobConfig) -> ReplicaPlan:
                            "has no GPU")
         replicas = 1 if wanted == "auto" else wanted
         # The engines take the real cores; what is left runs the light stages. An engine
-        # may take a fraction of a CPU where several share a small node.
-        spare = cpus - 3 * LIGHT_STAGE_CPUS
-        per_replica = min(1.0, (spare / replicas) // LIGHT_STAGE_CPUS * LIGHT_STAGE_CPUS) \
-            if replicas > 1 else max(1.0, spare // 1)
-        if per_replica < 2 * LIGHT_STAGE_CPUS:
+        # may take a fraction of a CPU where several share a small node, or where one has
+        # a single CPU (a whole one would leave the light stages none: Ray waits forever).
+        spare = cpus - LIGHT_STAGES_CPUS
+        if replicas > 1:
+            per_replica = min(1.0, (spare / replicas) // LIGHT_STAGE_CPUS * LIGHT_STAGE_CPUS)
+        else:
+            per_replica = max(1.0, spare // 1) if spare >= 1 else \
+                spare // LIGHT_STAGE_CPUS * LIGHT_STAGE_CPUS
+        if replicas == 1 and per_replica < LIGHT_STAGE_CPUS:
+            raise JobError(f"the Ray cluster has {cpus:g} CPUs and no GPU: an engine and the "
+                           "read, parse and write stages need at least 1 CPU")
+        if replicas > 1 and per_replica < 2 * LIGHT_STAGE_CPUS:
             raise JobError(f"resources.replicas {replicas}: the Ray cluster has {cpus:g} CPUs "
                            "and no GPU; use replicas: auto")
         nodes = _cpus_per_node()
@@ -153,9 +174,36 @@ def plan_replicas(config: JobConfig) -> ReplicaPlan:
     if replicas > fit:
         raise JobError(f"resources.replicas {replicas} x {per} GPUs per engine: the Ray "
                        f"cluster has {gpus} GPUs, room for {fit} such engines")
+    share = gpu_engine_cpus(replicas, per, cpus, _node_resources())
     if per > 1:
-        return ReplicaPlan(replicas, 0, 1, group_gpus=per, accelerator_type=accelerator)
-    return ReplicaPlan(replicas, 1, 1, accelerator_type=accelerator)
+        return ReplicaPlan(replicas, 0, share, group_gpus=per, accelerator_type=accelerator,
+                           group_cpus=share)
+    return ReplicaPlan(replicas, 1, share, accelerator_type=accelerator)
+
+
+def gpu_engine_cpus(replicas: int, gpus_each: int, cpus: float,
+                    nodes: list[dict[str, float]]) -> float:
+    """The CPU each GPU of an engine reserves: a whole one where the cluster has them beside
+    the light stages, else an even share of what is left (hundredths, maybe none). A GPU
+    engine's own CPU work (scheduling, detokenizing) is light, and Ray's reservation does not
+    limit the threads it runs; a whole CPU each left a 4-GPU, 4-CPU cluster waiting forever."""
+    if cpus < LIGHT_STAGES_CPUS:
+        raise JobError(f"the Ray cluster has {gpus_each * replicas} GPUs for the engines but "
+                       f"{cpus:g} CPUs: the read, parse and write stages need "
+                       f"{LIGHT_STAGES_CPUS:g} CPU; start its nodes with CPUs "
+                       "(ray start --num-cpus)")
+    share = (cpus - LIGHT_STAGES_CPUS) / (replicas * gpus_each)
+    for node in nodes:  # an engine's GPUs and CPU share a node: each node must hold its own
+        engines = int(node.get("GPU", 0)) // gpus_each
+        if engines:
+            share = min(share, node.get("CPU", 0) / (engines * gpus_each))
+    return min(1.0, math.floor(share * 100) / 100)
+
+
+def _node_resources() -> list[dict[str, float]]:
+    import ray
+
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
 
 
 def _gpus_per_node() -> list[float]:
