@@ -15,7 +15,7 @@ import time
 from typing import Iterable, Iterator
 
 from pipelines.config import JobConfig
-from pipelines.resources import LIGHT_STAGES_CPUS, plan_replicas
+from pipelines.resources import LIGHT_STAGE_CPUS, LIGHT_STAGES_CPUS, plan_replicas
 
 # Long enough that an engine loading a model on a GPU stays quiet; repeated while it lasts.
 NOTICE_AFTER_S = float(os.environ.get("OVERNIGHT_WAIT_NOTICE_S", "60"))
@@ -33,7 +33,12 @@ def watch(batches: Iterable, config: JobConfig, after_s: float | None = None,
         while not stop.wait(min(after_s, 5.0)):
             idle = time.monotonic() - last[0]
             if idle >= after_s:
-                _say(waiting_line(config, idle), stream or sys.stderr)
+                try:
+                    line = waiting_line(config, idle)
+                except Exception:  # Ray going away under it: the watchdog breaks nothing
+                    line = None
+                if line:
+                    _say(line, stream or sys.stderr)
                 last[0] = time.monotonic()
 
     thread = threading.Thread(target=run, name="overnight-watchdog", daemon=True)
@@ -46,8 +51,10 @@ def watch(batches: Iterable, config: JobConfig, after_s: float | None = None,
         stop.set()
 
 
-def waiting_line(config: JobConfig, idle: float) -> str:
-    """One line: what the job reserves, what the cluster has free, and what is pending."""
+def waiting_line(config: JobConfig, idle: float) -> str | None:
+    """One line: what the job reserves, what the cluster has free, and what is pending; None
+    when every actor is up and a read task could start (an engine busy with a long block on
+    a CPU is no news)."""
     import ray
 
     try:
@@ -60,18 +67,21 @@ def waiting_line(config: JobConfig, idle: float) -> str:
     have = ", ".join(f"{free.get(k, 0):g} {k} free of {total.get(k, 0):g}"
                      for k in ("GPU", "CPU") if total.get(k, 0) or need[k])
     pending = _pending_actors()
+    if pending == 0 and free.get("CPU", 0) >= LIGHT_STAGE_CPUS:
+        return None
     if pending:
         return (f"waiting for resources: nothing written for {idle:.0f} s and {pending} of the "
                 f"job's actors cannot start; {engines} and the read, parse and write stages "
                 f"{LIGHT_STAGES_CPUS:g} CPU; the Ray cluster has {have}: free them (another "
                 "job?), add nodes, or lower resources.replicas")
-    return (f"waiting: nothing written for {idle:.0f} s; every actor has started ({engines}; "
-            f"the cluster has {have}): the engines are loading or generating a long block")
+    return (f"waiting for resources: nothing written for {idle:.0f} s; {engines} and the "
+            f"read, parse and write stages {LIGHT_STAGES_CPUS:g} CPU; the Ray cluster has "
+            f"{have}")
 
 
-def _pending_actors() -> int:
-    """Actors of this job that Ray has not placed yet. Ray's public state API needs the
-    dashboard, which the job's own Ray does not start; its actor table does not."""
+def _pending_actors() -> int | None:
+    """Actors of this job that Ray has not placed yet (None: unknown). Ray's public state API
+    needs the dashboard, which the job's own Ray does not start; its actor table does not."""
     try:
         import ray
         from ray._private.state import state
@@ -80,7 +90,7 @@ def _pending_actors() -> int:
         return sum(1 for a in state.actor_table(None).values()
                    if a.get("State") == "PENDING_CREATION" and a.get("JobID") == job)
     except Exception:  # a private API: without it the line still says what is free
-        return 0
+        return None
 
 
 def _say(line: str, stream) -> None:

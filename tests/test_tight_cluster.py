@@ -132,13 +132,15 @@ def test_a_job_kept_waiting_says_what_for_and_goes_on(tiny_model, ray_cluster, t
     ray.get(holder.ready.remote())
     release = threading.Timer(8.0, ray.kill, args=(holder,))
     release.start()
+    config = load_config(raw)
     try:
-        summary = run_job(load_config(raw))
+        summary = run_job(config)
     finally:
         release.cancel()
         ray.kill(holder)
         server.close()
     assert summary.rows_ok == len(ROWS)
+    assert watchdog.waiting_line(config, 60.0) is None  # nothing pending, CPUs free: no news
     lines = [line for line in capsys.readouterr().err.splitlines()
              if line.startswith("overnight: waiting")]
     assert lines, "no waiting notice"
