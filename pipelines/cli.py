@@ -56,6 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace existing result files and run every request again")
     batch.add_argument("--quiet", action="store_true", help="no progress line")
 
+    serve = sub.add_parser("serve", help="serve the OpenAI Batch API (/v1/files, /v1/batches)")
+    serve.add_argument("--config", help="a YAML file with engine, model, sampling, resources "
+                       "settings (a job's input, prompt and output sections are ignored)")
+    serve.add_argument("--model", help="the local model every batch runs on (default: the "
+                       "config's model.name)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a setting (repeatable)")
+    serve.add_argument("--data-dir", default="overnight-serve",
+                       help="where files, batches and the state database live")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to bind")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-keys-file", help="accepted API keys, one a line (also: the "
+                       "OVERNIGHT_API_KEYS environment variable)")
+    serve.add_argument("--max-upload-mb", type=float, default=200,
+                       help="the largest file an upload may be")
+
     status = sub.add_parser("status", help="how far a job got: rows done, left, errors")
     status.add_argument("output", help="the job's output.path")
 
@@ -102,6 +118,16 @@ def cmd_batch(args) -> int:
     print(f"requests: {counts['requests']} lines -> {counts['results']} results, "
           f"{counts['errors']} errors ({counts['rejected_lines']} could not run)")
     print(f"results: {counts['results_path']}\nerrors: {counts['errors_path']}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from serve.server import load_settings, read_keys, serve
+
+    keys = read_keys(args.api_keys_file)
+    serve(load_settings(config=args.config, model=args.model, overrides=args.overrides,
+                        data_dir=args.data_dir, host=args.host, port=args.port,
+                        max_upload_mb=args.max_upload_mb), keys)
     return 0
 
 
@@ -157,8 +183,8 @@ def cmd_doctor(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "batch": cmd_batch, "validate": cmd_validate, "status": cmd_status,
-            "report": cmd_report, "tiny-model": cmd_tiny_model,
+COMMANDS = {"run": cmd_run, "batch": cmd_batch, "serve": cmd_serve, "validate": cmd_validate,
+            "status": cmd_status, "report": cmd_report, "tiny-model": cmd_tiny_model,
             "demo-model": cmd_demo_model, "doctor": cmd_doctor}
 
 

@@ -1,0 +1,290 @@
+"""The HTTP API: ``/v1/files`` and ``/v1/batches`` with the OpenAI API's shapes, status codes and
+error objects (``{"error": {"message", "type", "param", "code"}}``), behind bearer keys.
+
+A key's objects are invisible to every other key: a lookup by another key is a 404, the same
+answer as for an id that never existed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from serve.runner import INPUT, Runner
+from serve.store import Store, new_id
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # what ``overnight batch`` runs
+WINDOW = 24 * 3600  # the hosted API's only completion_window, "24h"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status, message, param, code, kind)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def key_owner(key: str) -> str:
+    """What the store records for a key: its hash (the key itself is kept nowhere)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_app(store: Store, runner: Runner, *, owners: set[str],
+               max_upload_bytes: int) -> FastAPI:
+    """``owners``: the hashes of the accepted keys (``key_owner``)."""
+    app = FastAPI(title="overnight serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        message = ("Invalid URL " f"({request.method} {request.url.path})"
+                   if exc.status_code in (404, 405) else str(exc.detail))
+        return JSONResponse(error_body(message), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_params(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        param = str(first["loc"][-1]) if first.get("loc") else None
+        return JSONResponse(error_body(f"Invalid value for '{param}': {first['msg']}.",
+                                       param=param, code="invalid_value"), 400)
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return JSONResponse(error_body(
+                "You didn't provide an API key. Provide it in the Authorization header "
+                "(Authorization: Bearer YOUR_KEY)."), 401)
+        owner = key_owner(key.strip())
+        if owner not in owners:
+            return JSONResponse(error_body("Incorrect API key provided.",
+                                           code="invalid_api_key"), 401)
+        request.state.owner = owner
+        return await call_next(request)
+
+    # -- files -------------------------------------------------------------------------------
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request):
+        declared = int(request.headers.get("content-length") or 0)
+        if declared > max_upload_bytes + 64 * 1024:
+            raise _too_large(max_upload_bytes)
+        form = await Request(request.scope, _limited(request.receive, max_upload_bytes)).form(
+            max_files=1, max_fields=8)
+        upload, purpose = form.get("file"), form.get("purpose")
+        if upload is None or isinstance(upload, str):
+            raise APIError(400, "Missing required parameter: 'file'.", param="file",
+                           code="missing_required_parameter")
+        if not purpose:
+            raise APIError(400, "Missing required parameter: 'purpose'.", param="purpose",
+                           code="missing_required_parameter")
+        if purpose != "batch":
+            raise APIError(400, f"Invalid value for 'purpose': {purpose!r}; overnight serve "
+                           "stores files for the Batch API only ('batch').", param="purpose",
+                           code="invalid_value")
+        filename = os.path.basename(upload.filename or "")
+        if not filename.endswith(".jsonl"):
+            raise APIError(400, "Invalid file format for Batch API. Must be .jsonl")
+        tmp = store.temp_path()
+        try:
+            size = await run_in_threadpool(_copy, upload.file, tmp)
+            if size > max_upload_bytes:
+                raise _too_large(max_upload_bytes)
+            return store.add_file(request.state.owner, tmp, filename, purpose)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @app.get("/v1/files")
+    def list_files(request: Request, purpose: str | None = None, limit: int = 10000,
+                   order: str = "desc", after: str | None = None):
+        _check_page(limit, 10000, order)
+        data, more = store.list_files(request.state.owner, purpose=purpose, after=after,
+                                      limit=limit, order=order)
+        return _page(data, more)
+
+    @app.get("/v1/files/{file_id}")
+    def get_file(request: Request, file_id: str):
+        return _file(store, request, file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    def file_content(request: Request, file_id: str):
+        _file(store, request, file_id)
+        return FileResponse(store.file_path(file_id), media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}")
+    def delete_file(request: Request, file_id: str):
+        if not store.delete_file(request.state.owner, file_id):
+            raise _no_file(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # -- batches -----------------------------------------------------------------------------
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request):
+        try:
+            params = await request.json()
+        except ValueError:
+            raise APIError(400, "We could not parse the JSON body of your request.") from None
+        if not isinstance(params, dict):
+            raise APIError(400, "The request body must be a JSON object.")
+        batch = _new_batch(store, request.state.owner, params, runner.served_model)
+        await run_in_threadpool(_stage_input, store, batch)
+        store.add_batch(request.state.owner, batch)
+        runner.wake()
+        return batch
+
+    @app.get("/v1/batches")
+    def list_batches(request: Request, limit: int = 20, after: str | None = None):
+        _check_page(limit, 100, "desc")
+        data, more = store.list_batches(request.state.owner, after=after, limit=limit)
+        return _page(data, more)
+
+    @app.get("/v1/batches/{batch_id}")
+    def get_batch(request: Request, batch_id: str):
+        return _batch(store, request, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    def cancel_batch(request: Request, batch_id: str):
+        batch = _batch(store, request, batch_id)
+        if batch["status"] == "cancelling":
+            return batch
+        moved = store.update_batch(batch_id, only_if=("validating", "in_progress"),
+                                   status="cancelling", cancelling_at=int(time.time()))
+        if moved is None:
+            raise APIError(400, "Cannot cancel a batch with status "
+                           f"'{_batch(store, request, batch_id)['status']}'.",
+                           code="invalid_state")
+        runner.wake()
+        return moved
+
+    return app
+
+
+def _new_batch(store: Store, owner: str, params: dict, model: str) -> dict:
+    for key in ("input_file_id", "endpoint", "completion_window"):
+        if not params.get(key):
+            raise APIError(400, f"Missing required parameter: '{key}'.", param=key,
+                           code="missing_required_parameter")
+    if params["endpoint"] not in ENDPOINTS:
+        raise APIError(400, f"Invalid value for 'endpoint': {params['endpoint']!r}. overnight "
+                       "serve runs " + " and ".join(ENDPOINTS) + ".", param="endpoint",
+                       code="invalid_value")
+    if params["completion_window"] != "24h":
+        raise APIError(400, "Invalid value for 'completion_window': only '24h' is supported.",
+                       param="completion_window", code="invalid_value")
+    metadata = params.get("metadata")
+    if metadata is not None and not (
+            isinstance(metadata, dict) and len(metadata) <= 16 and all(
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                for k, v in metadata.items())):
+        raise APIError(400, "Invalid 'metadata': at most 16 string keys (up to 64 characters) "
+                       "with string values (up to 512 characters).", param="metadata",
+                       code="invalid_value")
+    input_file = store.get_file(owner, params["input_file_id"])
+    if input_file is None:
+        raise APIError(404, f"No such File object: {params['input_file_id']}",
+                       param="input_file_id")
+    if input_file["purpose"] != "batch":
+        raise APIError(400, f"Invalid 'input_file_id': {input_file['id']} has purpose "
+                       f"{input_file['purpose']!r}, not 'batch'.", param="input_file_id")
+    now = int(time.time())
+    return {
+        "id": new_id("batch_"), "object": "batch", "endpoint": params["endpoint"],
+        "errors": None, "input_file_id": input_file["id"], "completion_window": "24h",
+        "status": "validating", "output_file_id": None, "error_file_id": None,
+        "created_at": now, "in_progress_at": None, "expires_at": now + WINDOW,
+        "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+        "cancelling_at": None, "cancelled_at": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "metadata": metadata, "model": model, "usage": None}
+
+
+def _stage_input(store: Store, batch: dict) -> None:
+    """The batch's own copy of its input (a hard link where possible): deleting the file
+    later, or a restart, cannot take it from a batch that still needs it."""
+    folder = store.batch_dir(batch["id"])
+    folder.mkdir(parents=True, exist_ok=True)
+    source = store.file_path(batch["input_file_id"])
+    try:
+        os.link(source, folder / INPUT)
+    except OSError:
+        shutil.copyfile(source, folder / INPUT)
+
+
+def _file(store: Store, request: Request, file_id: str) -> dict:
+    found = store.get_file(request.state.owner, file_id)
+    if found is None:
+        raise _no_file(file_id)
+    return found
+
+
+def _batch(store: Store, request: Request, batch_id: str) -> dict:
+    found = store.get_batch(request.state.owner, batch_id)
+    if found is None:
+        raise APIError(404, f"No batch found with id '{batch_id}'.", param="batch_id")
+    return found
+
+
+def _no_file(file_id: str) -> APIError:
+    return APIError(404, f"No such File object: {file_id}", param="id")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"File too large: the limit is {limit} bytes.", param="file",
+                    code="file_too_large")
+
+
+def _check_page(limit: int, most: int, order: str) -> None:
+    if not 1 <= limit <= most:
+        raise APIError(400, f"Invalid 'limit': must be between 1 and {most}.", param="limit",
+                       code="invalid_value")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "Invalid 'order': 'asc' or 'desc'.", param="order",
+                       code="invalid_value")
+
+
+def _page(data: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
+
+
+def _copy(source, target) -> int:
+    with open(target, "wb") as out:
+        shutil.copyfileobj(source, out, 1 << 20)
+    return os.path.getsize(target)
+
+
+def _limited(receive, limit: int):
+    """The request body, refused (413) once it is larger than an upload may be, whatever its
+    Content-Length said: nothing larger is spooled to disk."""
+    received = 0
+    slack = 64 * 1024  # the multipart envelope around the file
+
+    async def wrapped():
+        nonlocal received
+        message = await receive()
+        received += len(message.get("body", b""))
+        if received > limit + slack:
+            raise _too_large(limit)
+        return message
+
+    return wrapped

@@ -1,0 +1,300 @@
+"""The batch queue: validate, then run FIFO, one batch at a time, each as ``overnight batch``.
+
+Each batch runs as a child process, ``python -m pipelines.cli batch input.jsonl -o results.jsonl
+-e errors.jsonl --model M --config C --quiet``, in its own process group, so that it:
+
+- runs exactly what the CLI runs (validation, results, errors file, resume), and the server
+  owns only the queue around it;
+- can be stopped whole (SIGINT to the group; SIGKILL if it has not stopped in ``STOP_WAIT``);
+- dies with the server (``PR_SET_PDEATHSIG``): a ``kill -9`` of the server leaves no engine
+  running, and the restarted server starts the child again, which resumes from the job's
+  committed parts (``run_batch_file`` resumes an interrupted run of the same file).
+
+While it runs, ``request_counts`` is read from those committed parts (each part once), in the
+job's staging folder ``results.jsonl.overnight/output.partial/``. A cancelled batch gets the
+results of the parts done so far, written by ``pipelines.batch.write_results`` as the CLI
+writes them at the end of a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from serve.store import Store
+from serve.validate import check_input_file
+
+log = logging.getLogger("overnight.serve")
+
+POLL = 0.5  # seconds between looks at a running child (counts, cancel)
+STOP_WAIT = 60  # seconds a child has to stop on SIGINT before it is killed
+RESULTS, ERRORS, INPUT = "results.jsonl", "errors.jsonl", "input.jsonl"
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
+    """Linux: the child gets SIGKILL when the thread that started it (the runner's, alive as
+    long as the server) dies, so a killed server leaves no orphan engine behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Runner:
+    """Two daemon threads: one validates new batches, one runs the queue."""
+
+    def __init__(self, store: Store, *, model: str, config: Path | None,
+                 overrides: list[str], served_model: str):
+        self.store, self.model, self.config = store, model, config
+        self.overrides, self.served_model = overrides, served_model
+        self._validate_wake, self._run_wake = threading.Event(), threading.Event()
+        self._counted: dict[str, tuple[int, int]] = {}  # part path -> (requests, failed)
+
+    def start(self) -> None:
+        for target, name in ((self._validate_loop, "validator"), (self._run_loop, "runner")):
+            threading.Thread(target=target, name=f"overnight-serve-{name}", daemon=True).start()
+
+    def wake(self) -> None:
+        self._validate_wake.set()
+        self._run_wake.set()
+
+    # -- validation --------------------------------------------------------------------------
+
+    def _validate_loop(self) -> None:
+        while True:
+            for batch_id in self.store.batches_in("validating"):
+                self._guard(batch_id, self._validate, batch_id)
+            self._validate_wake.wait(5)
+            self._validate_wake.clear()
+
+    def _validate(self, batch_id: str) -> None:
+        batch = self.store.get_batch(None, batch_id)
+        checked = check_input_file(self.store.batch_dir(batch_id) / INPUT, batch["endpoint"])
+        now = int(time.time())
+        counts = {"total": checked.requests, "completed": 0, "failed": 0}
+        if checked.errors:
+            self.store.update_batch(batch_id, only_if=("validating",), status="failed",
+                                    failed_at=now, errors=checked.as_errors(),
+                                    request_counts=counts)
+        else:
+            self.store.update_batch(batch_id, only_if=("validating",), status="in_progress",
+                                    in_progress_at=now, request_counts=counts)
+        self._run_wake.set()
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        while True:
+            self._housekeeping()
+            queue = self.store.batches_in("in_progress")
+            if queue:
+                self._guard(queue[0], self._run, queue[0])
+                continue
+            self._run_wake.wait(5)
+            self._run_wake.clear()
+
+    def _housekeeping(self, running: str | None = None) -> None:
+        """Batches not running that need a step: cancelled while queued (or while the server
+        was down), or finished but not yet finalized when the server was killed."""
+        for batch_id in self.store.batches_in("cancelling"):
+            if batch_id != running:
+                self._guard(batch_id, self._finish_cancel, batch_id)
+        for batch_id in self.store.batches_in("finalizing"):
+            self._guard(batch_id, self._finalize, batch_id, "completed")
+
+    def _guard(self, batch_id: str, step, *args) -> None:
+        """A step that fails on a server bug fails its batch, not the queue."""
+        try:
+            step(*args)
+        except Exception as exc:  # noqa: BLE001 - the queue must go on
+            log.exception("batch %s: %s", batch_id, type(exc).__name__)
+            self.store.update_batch(batch_id, status="failed", failed_at=int(time.time()),
+                                    errors=_one_error("server_error", f"{type(exc).__name__}"))
+
+    def _run(self, batch_id: str) -> None:
+        folder = self.store.batch_dir(batch_id)
+        _stop_stale_child(self.store, batch_id)
+        if (folder / RESULTS).exists() and (folder / ERRORS).exists():
+            self._finalize(batch_id, "completed")  # the child finished; the server did not
+            return
+        child = self._launch(batch_id, folder)
+        while child.poll() is None:
+            if self.store.get_batch(None, batch_id)["status"] == "cancelling":
+                _stop(child)
+                self.store.set_child(batch_id, None)
+                self._finish_cancel(batch_id)
+                return
+            self._update_counts(batch_id)
+            self._housekeeping(running=batch_id)
+            self._run_wake.wait(POLL)
+            self._run_wake.clear()
+        self.store.set_child(batch_id, None)
+        if child.returncode == 0:
+            self.store.update_batch(batch_id, status="finalizing",
+                                    finalizing_at=int(time.time()))
+            self._finalize(batch_id, "completed")
+        elif self.store.get_batch(None, batch_id)["status"] == "cancelling":
+            self._finish_cancel(batch_id)
+        else:
+            message = _failure(folder, child)
+            self.store.update_batch(batch_id, status="failed", failed_at=int(time.time()),
+                                    errors=_one_error("batch_failed", message))
+            log.info("batch %s: failed: %s", batch_id, message)
+
+    def _launch(self, batch_id: str, folder: Path) -> subprocess.Popen:
+        command = [sys.executable, "-m", "pipelines.cli", "batch", str(folder / INPUT),
+                   "-o", str(folder / RESULTS), "-e", str(folder / ERRORS),
+                   "--model", self.model, "--quiet"]
+        if self.config is not None:
+            command += ["--config", str(self.config)]
+        for override in self.overrides:
+            command += ["--set", override]
+        with open(folder / "log.txt", "ab") as log_file:
+            child = subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent,
+                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        self.store.set_child(batch_id, child.pid)
+        log.info("batch %s: started (pid %d)", batch_id, child.pid)
+        return child
+
+    # -- counts, cancel, finalize ------------------------------------------------------------
+
+    def _update_counts(self, batch_id: str) -> None:
+        work = self.store.batch_dir(batch_id) / f"{RESULTS}.overnight"
+        parts_dir = work / "output.partial"
+        if not parts_dir.is_dir():
+            parts_dir = work / "output"
+        done = failed = 0
+        for part in sorted(parts_dir.glob("part-*.parquet")) if parts_dir.is_dir() else []:
+            key = str(part)
+            if key not in self._counted:
+                table = pq.read_table(part, columns=["custom_id", "error"])
+                ids = table.column("custom_id").to_pylist()
+                bad = {i for i, e in zip(ids, table.column("error").to_pylist()) if e}
+                self._counted[key] = (len(set(ids)), len(bad))
+            done += self._counted[key][0]
+            failed += self._counted[key][1]
+        prepared = work / "prepared.json"
+        rejected = json.loads(prepared.read_text())["rejected"] if prepared.exists() else 0
+        counts = {"total": self.store.get_batch(None, batch_id)["request_counts"]["total"],
+                  "completed": done - failed, "failed": failed + rejected}
+        self.store.update_batch(batch_id, only_if=("in_progress",), request_counts=counts)
+
+    def _finish_cancel(self, batch_id: str) -> None:
+        """A stopped (or never started) batch: the results of the parts done so far."""
+        from pipelines.batch import write_results
+
+        _stop_stale_child(self.store, batch_id)
+        folder = self.store.batch_dir(batch_id)
+        work = folder / f"{RESULTS}.overnight"
+        parts = work / "output.partial"
+        if not parts.is_dir():
+            parts = work / "output"
+        have_results = (folder / RESULTS).exists() and (folder / ERRORS).exists()
+        if not have_results and parts.is_dir() and (work / "rejected.jsonl").exists():
+            write_results(parts, work / "rejected.jsonl", folder / RESULTS, folder / ERRORS,
+                          self.model)
+        self._finalize(batch_id, "cancelled")
+
+    def _finalize(self, batch_id: str, status: str) -> None:
+        """Register the result and error files (idempotent: their ids derive from the batch's)
+        and move the batch to ``status`` with the final counts."""
+        batch = self.store.get_batch(None, batch_id)
+        owner = self.store.batch_owner(batch_id)
+        folder = self.store.batch_dir(batch_id)
+        changes: dict = {"status": status, f"{status}_at": int(time.time())}
+        counts = dict(batch["request_counts"] or {"total": 0})
+        for name, key, label, count_key in ((RESULTS, "output_file_id", "output", "completed"),
+                                            (ERRORS, "error_file_id", "error", "failed")):
+            path = folder / name
+            lines = _count_lines(path) if path.exists() else 0
+            counts[count_key] = lines
+            if lines and not batch.get(key):
+                file_id = "file-" + hashlib.sha256(f"{batch_id}:{label}".encode()).hexdigest()[:24]
+                self.store.add_file(owner, path, f"{batch_id}_{label}.jsonl", "batch_output",
+                                    file_id=file_id, link=True)
+                changes[key] = file_id
+        changes["request_counts"] = counts
+        self.store.update_batch(batch_id, **changes)
+        log.info("batch %s: %s (%d completed, %d failed)", batch_id, status,
+                 counts["completed"], counts["failed"])
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """SIGINT to the child's process group (the CLI stops, keeping its committed parts), then
+    SIGKILL if it has not stopped in STOP_WAIT seconds."""
+    try:
+        os.killpg(child.pid, signal.SIGINT)
+        child.wait(STOP_WAIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    except ProcessLookupError:
+        child.wait()
+
+
+def _stop_stale_child(store: Store, batch_id: str) -> None:
+    """What an earlier server process left of this batch's child, killed before the batch is
+    touched: the child itself where PDEATHSIG is unavailable, and always the Ray agents of its
+    process group, which outlive a killed driver (measured: ``ray::DashboardAgent`` and
+    ``ray::RuntimeEnvAgent`` still there minutes later)."""
+    pid = store.child_of(batch_id)
+    if pid is None:
+        return
+    marks = (str(store.batch_dir(batch_id)).encode(), b"ray::", b"/ray/")
+    if any(any(mark in command for mark in marks) for command in _group(pid)):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 30
+        while _group(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    store.set_child(batch_id, None)
+
+
+def _group(pgid: int) -> list[bytes]:
+    """The command lines of the live processes in a process group (Linux /proc)."""
+    commands = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                commands.append((stat.parent / "cmdline").read_bytes())
+        except (OSError, IndexError, ValueError):
+            continue
+    return commands
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def _failure(folder: Path, child: subprocess.Popen) -> str:
+    """The child's own one-line error (``overnight: error: ...``), else its exit status."""
+    try:
+        lines = (folder / "log.txt").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in reversed(lines):
+        if line.startswith("overnight: error: "):
+            return line[len("overnight: error: "):]
+    return f"the batch's job stopped with exit status {child.returncode}"
+
+
+def _one_error(code: str, message: str) -> dict:
+    return {"object": "list", "data": [{"code": code, "message": message, "param": None,
+                                        "line": None}]}

@@ -1,0 +1,183 @@
+"""The server's state: file and batch objects in SQLite, file contents on disk.
+
+Layout of the data directory::
+
+    state.sqlite3          files and batches (the API objects as JSON, an owner, a status)
+    files/<file id>        each file's bytes, written to a temporary name and renamed in
+    batches/<batch id>/    a batch's input, its ``overnight batch`` work directory and log
+
+An owner is the SHA-256 of an API key, never the key. Every read takes the owner, so a key
+that does not own an object finds nothing, exactly as if it did not exist. Each write is one
+SQLite transaction (WAL, synchronous FULL): a ``kill -9`` loses at most the request in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, owner TEXT NOT NULL,
+    purpose TEXT NOT NULL, object TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, owner TEXT NOT NULL,
+    status TEXT NOT NULL, object TEXT NOT NULL, child_pid INTEGER);
+"""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+class Store:
+    """Files and batches, by owner. Safe to share between the HTTP handlers and the runner."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.files_dir = self.root / "files"
+        self.batches_dir = self.root / "batches"
+        for folder in (self.files_dir, self.batches_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.root / "state.sqlite3", check_same_thread=False,
+                                   isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+
+    # -- files -------------------------------------------------------------------------------
+
+    def file_path(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    def temp_path(self) -> Path:
+        return self.files_dir / f".upload-{secrets.token_hex(8)}.tmp"
+
+    def add_file(self, owner: str, source: Path, filename: str, purpose: str, *,
+                 file_id: str | None = None, link: bool = False) -> dict:
+        """``source`` (a file in the data directory) moved in as a new file object; or
+        hard-linked (``link``), under a given id, once (a batch's results, registered again
+        after a restart, stay one file)."""
+        file_id = file_id or new_id("file-")
+        obj = {"id": file_id, "object": "file", "bytes": source.stat().st_size,
+               "created_at": int(time.time()), "filename": filename, "purpose": purpose,
+               "status": "processed", "expires_at": None, "status_details": None}
+        target = self.file_path(file_id)
+        if not link:
+            os.replace(source, target)
+        elif not target.exists():
+            os.link(source, target)
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO files (id, owner, purpose, object) "
+                             "VALUES (?,?,?,?)", (file_id, owner, purpose, json.dumps(obj)))
+        return obj
+
+    def get_file(self, owner: str, file_id: str) -> dict | None:
+        with self._lock:
+            row = self._db.execute("SELECT object FROM files WHERE id=? AND owner=?",
+                                   (file_id, owner)).fetchone()
+        return json.loads(row["object"]) if row else None
+
+    def list_files(self, owner: str, *, purpose: str | None, after: str | None, limit: int,
+                   order: str) -> tuple[list[dict], bool]:
+        where, args = "owner=?", [owner]
+        if purpose:
+            where, args = where + " AND purpose=?", [*args, purpose]
+        return self._page("files", where, args, after, limit, order)
+
+    def delete_file(self, owner: str, file_id: str) -> bool:
+        with self._lock:
+            gone = self._db.execute("DELETE FROM files WHERE id=? AND owner=?",
+                                    (file_id, owner)).rowcount
+        if gone:
+            self.file_path(file_id).unlink(missing_ok=True)
+        return bool(gone)
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def batch_dir(self, batch_id: str) -> Path:
+        return self.batches_dir / batch_id
+
+    def add_batch(self, owner: str, obj: dict) -> dict:
+        with self._lock:
+            self._db.execute("INSERT INTO batches (id, owner, status, object) VALUES (?,?,?,?)",
+                             (obj["id"], owner, obj["status"], json.dumps(obj)))
+        return obj
+
+    def get_batch(self, owner: str | None, batch_id: str) -> dict | None:
+        """A batch object; ``owner=None`` is the runner's view (any owner)."""
+        with self._lock:
+            if owner is None:
+                row = self._db.execute("SELECT object FROM batches WHERE id=?",
+                                       (batch_id,)).fetchone()
+            else:
+                row = self._db.execute("SELECT object FROM batches WHERE id=? AND owner=?",
+                                       (batch_id, owner)).fetchone()
+        return json.loads(row["object"]) if row else None
+
+    def batch_owner(self, batch_id: str) -> str:
+        with self._lock:
+            return self._db.execute("SELECT owner FROM batches WHERE id=?",
+                                    (batch_id,)).fetchone()["owner"]
+
+    def list_batches(self, owner: str, *, after: str | None,
+                     limit: int) -> tuple[list[dict], bool]:
+        return self._page("batches", "owner=?", [owner], after, limit, "desc")
+
+    def update_batch(self, batch_id: str, *, only_if: tuple[str, ...] = (), **changes) -> dict | None:
+        """Apply ``changes`` to a batch object, atomically; with ``only_if``, only when its
+        status is one of those (else None: someone else moved it first)."""
+        with self._lock:
+            row = self._db.execute("SELECT object FROM batches WHERE id=?",
+                                   (batch_id,)).fetchone()
+            obj = json.loads(row["object"])
+            if only_if and obj["status"] not in only_if:
+                return None
+            obj.update(changes)
+            self._db.execute("UPDATE batches SET status=?, object=? WHERE id=?",
+                             (obj["status"], json.dumps(obj), batch_id))
+        return obj
+
+    def batches_in(self, *statuses: str) -> list[str]:
+        """Ids of the batches in these states, oldest first (the queue's order)."""
+        marks = ",".join("?" * len(statuses))
+        with self._lock:
+            rows = self._db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) "
+                                    "ORDER BY seq", statuses).fetchall()
+        return [row["id"] for row in rows]
+
+    def set_child(self, batch_id: str, pid: int | None) -> None:
+        with self._lock:
+            self._db.execute("UPDATE batches SET child_pid=? WHERE id=?", (pid, batch_id))
+
+    def child_of(self, batch_id: str) -> int | None:
+        with self._lock:
+            return self._db.execute("SELECT child_pid FROM batches WHERE id=?",
+                                    (batch_id,)).fetchone()["child_pid"]
+
+    # -- pages -------------------------------------------------------------------------------
+
+    def _page(self, table: str, where: str, args: list, after: str | None, limit: int,
+              order: str) -> tuple[list[dict], bool]:
+        """OpenAI's cursor pages: ``after`` is the last id of the previous page."""
+        direction, compare = ("DESC", "<") if order == "desc" else ("ASC", ">")
+        with self._lock:
+            if after:
+                row = self._db.execute(f"SELECT seq FROM {table} WHERE id=? AND {where}",
+                                       [after, *args]).fetchone()
+                if row is None:
+                    return [], False
+                where, args = f"{where} AND seq {compare} ?", [*args, row["seq"]]
+            rows = self._db.execute(f"SELECT object FROM {table} WHERE {where} "
+                                    f"ORDER BY seq {direction} LIMIT ?",
+                                    [*args, limit + 1]).fetchall()
+        objects = [json.loads(row["object"]) for row in rows]
+        return objects[:limit], len(objects) > limit
