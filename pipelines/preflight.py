@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
-from pipelines.read import InputPlan, glob_regex, scan_input
+from pipelines.read import InputPlan, glob_regex, read_block, scan_input
 from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
 from udfs.engine import EngineSpec
@@ -220,10 +220,10 @@ def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> 
         if id_column not in names:
             raise InputError(f"input.id_column {id_column!r} is not a column of the input; "
                              f"its columns are: {', '.join(names)}")
-        nulls = sum(1 for v in plan.ids if v is None)
-        if nulls:
-            raise InputError(f"input.id_column {id_column!r} is null in {nulls} row(s)")
-        dupes = [v for v, n in Counter(map(_hashable, plan.ids)).items() if n > 1]
+        if plan.ids.nulls:
+            raise InputError(f"input.id_column {id_column!r} is null in {plan.ids.nulls} "
+                             "row(s)")
+        dupes = _repeated_ids(plan, id_column)
         if dupes:
             shown = ", ".join(repr(d) for d in dupes[:5])
             raise InputError(f"input.id_column {id_column!r} is not unique: {len(dupes)} "
@@ -251,6 +251,22 @@ _COLUMN_TYPES = {
 }
 _COLUMN_KINDS = {"max_tokens_column": "integers",
                  "overrides_column": "JSON objects (as text) or structs"}
+
+
+def _repeated_ids(plan: InputPlan, id_column: str) -> list:
+    """The ids that repeat. The scan kept 8-byte hashes only; where some repeat, the id column
+    is read again for the values behind them (and two ids that merely share a hash pass)."""
+    suspects = plan.ids.repeated()
+    if not suspects:
+        return []
+    import polars as pl
+
+    counts: Counter = Counter()
+    for block in plan.blocks:
+        ids = pl.from_arrow(read_block(block, plan.schema).column(id_column))
+        hit = ids.drop_nulls().hash(seed=0).is_in(list(suspects))
+        counts.update(map(_hashable, ids.drop_nulls().filter(hit).to_list()))
+    return [v for v, n in counts.items() if n > 1]
 
 
 def _hashable(value):

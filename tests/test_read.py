@@ -116,3 +116,56 @@ def test_jsonl_keys_and_types_come_from_every_row(tmp_path: Path):
     table = read_block(plan.blocks[0], plan.schema)
     assert table.column("notes").to_pylist() == [None, "keep me"]
     assert table.column("m").to_pylist() == [None, "{}"]
+
+
+def test_each_row_is_decoded_once_on_a_one_row_group_file(tmp_path: Path, monkeypatch):
+    """Counted, not timed: a 1,000-row file in one row group, cut into 100 blocks, is decoded
+    in one pass (each block re-read its whole row group before: 100,000 rows decoded)."""
+    from pipelines.read import read_unit, read_units
+
+    pq.write_table(pa.table({"x": list(range(1000))}), tmp_path / "one.parquet",
+                   row_group_size=1000)
+    decoded = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def counting(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            decoded.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counting)
+    plan = scan_input(str(tmp_path / "one.parquet"), "auto", 10, None)
+    units = read_units(plan.blocks)
+    assert len(plan.blocks) == 100 and len(units) == 1
+    tables = [t for u in units for t in read_unit(u, plan.schema)]
+    assert sum(decoded) == 1000
+    assert [t.num_rows for t in tables] == [10] * 100
+    assert [v for t in tables for v in t.column("x").to_pylist()] == list(range(1000))
+    assert [v for t in tables for v in t.column(columns.ORDINAL).to_pylist()] == \
+        list(range(1000))
+    # resuming after half the blocks: the rest of the file, still one pass
+    decoded.clear()
+    rest = read_units(plan.blocks[50:])
+    assert [v for u in rest for t in read_unit(u, plan.schema)
+            for v in t.column(columns.ORDINAL).to_pylist()] == list(range(500, 1000))
+    assert sum(decoded) == 1000  # the group is read from its start; nothing twice
+
+
+def test_read_units_break_at_row_groups_and_at_done_blocks(tmp_path: Path):
+    from pipelines.read import read_unit, read_units
+
+    pq.write_table(pa.table({"x": list(range(100))}), tmp_path / "a.parquet",
+                   row_group_size=30)
+    (tmp_path / "b.jsonl").write_text("".join(f'{{"x": {i}}}\n\n' for i in range(100, 130)))
+    plan = scan_input(str(tmp_path / "a.parquet"), "auto", 8, None)
+    units = read_units(plan.blocks, unit_rows=16)  # past 16 rows, a unit ends at a group end
+    assert [u.num_rows for u in units] == [32, 32, 32, 4]
+    todo = [b for b in plan.blocks if b.ordinal not in (40, 48)]  # two blocks done
+    got = [v for u in read_units(todo, unit_rows=16) for t in read_unit(u, plan.schema)
+           for v in t.column("x").to_pylist()]
+    assert got == [v for v in range(100) if not 40 <= v < 56]
+    jsonl = scan_input(str(tmp_path / "b.jsonl"), "auto", 8, None)
+    units = read_units(jsonl.blocks, unit_rows=16)
+    assert [u.num_rows for u in units] == [16, 14]
+    assert [v for u in units for t in read_unit(u, jsonl.schema)
+            for v in t.column("x").to_pylist()] == list(range(100, 130))
