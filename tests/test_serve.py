@@ -1,0 +1,334 @@
+"""``overnight serve`` driven by the official ``openai`` client over loopback: a real server
+process (``python -m pipelines.cli serve``), real batches through ``overnight batch`` children on
+the tiny model.
+
+One server is shared by the module; the checks that start no engine run first, then one
+batch each for the round trip (with its counts watched while it runs), the cancel, and the
+restart after ``kill -9`` (which kills and restarts that same server).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import KV_CACHE, REPO
+
+KEY, OTHER_KEY = "sk-overnight-test-first", "sk-overnight-test-second"
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+FAST = 20_000
+
+
+def request(custom_id: str, content: str, max_tokens: int, url="/v1/chat/completions"):
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": "gpt-4o-mini", "max_tokens": max_tokens, "temperature": 0,
+                     "messages": [{"role": "user", "content": content}]}}
+
+
+def request_file(path: Path, count: int, max_tokens: int, prefix: str) -> Path:
+    path.write_text("".join(json.dumps(request(f"{prefix}-{i}", f"Say something about {i}.",
+                                               max_tokens)) + "\n" for i in range(count)))
+    return path
+
+
+def long_file(path: Path, prefix: str, tail: int, tail_tokens: int) -> Path:
+    """FAST requests of one token, then ``tail`` of ``tail_tokens``. A batch file's job commits
+    its parts a read unit (16,384 rows or more, to the end of a 10,000-row group) at a time, so
+    the counts move, and a batch can be stopped, between the fast head and the slow tail."""
+    path.write_text("".join(
+        json.dumps(request(f"{prefix}-{i}", str(i), 1 if i < FAST else tail_tokens)) + "\n"
+        for i in range(FAST + tail)))
+    return path
+
+
+class Server:
+    """``overnight serve`` as a child process, on a free port; started again on the same
+    data directory and port after a kill."""
+
+    def __init__(self, root: Path, tiny_model: str):
+        self.root, self.port = root, _free_port()
+        (root / "keys.txt").write_text(f"# test keys\n{KEY}\n{OTHER_KEY}\n")
+        # what a batch needs on this machine (see tests/test_batch.py); blocks of 512 rows
+        (root / "job.yaml").write_text(json.dumps({
+            "model": {"name": tiny_model, "dtype": "float32", "max_model_len": 512},
+            "engine": {"kv_cache_memory_bytes": KV_CACHE}, "resources": {"batch_size": 512}}))
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.root / "server.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.cli", "serve", "--config",
+             str(self.root / "job.yaml"), "--data-dir", str(self.root / "data"), "--port",
+             str(self.port), "--api-keys-file", str(self.root / "keys.txt"),
+             "--max-upload-mb", "8"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                httpx.get(f"{self.base_url}/files", timeout=2,
+                          headers={"Authorization": f"Bearer {KEY}"}).raise_for_status()
+                return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise AssertionError(f"the server did not answer in 60 s\n{self.log()}")
+
+    def kill(self) -> None:
+        self.proc.kill()  # SIGKILL: no clean-up of any kind
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+    def log(self) -> str:
+        return (self.root / "server.log").read_text(errors="replace")[-3000:]
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("serve"), tiny_model)
+    server.start()
+    yield server
+    server.stop()
+
+
+def wait(client: openai.OpenAI, batch_id: str, until=TERMINAL, timeout: float = 300):
+    """Poll a batch until its status is one of ``until``; returns every object seen."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen.append(client.batches.retrieve(batch_id))
+        if seen[-1].status in until:
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {seen[-1].status} after {timeout} s")
+
+
+def some_done(client: openai.OpenAI, batch_id: str, timeout: float = 300):
+    """Poll a batch until some of its requests are done (it must still be running)."""
+    deadline = time.monotonic() + timeout
+    while (batch := client.batches.retrieve(batch_id)).request_counts.completed == 0:
+        assert batch.status in ("validating", "in_progress"), batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    return batch
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def error_of(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_keys_are_required_and_a_key_sees_only_its_own(server, tmp_path):
+    first, second = server.client(), server.client(OTHER_KEY)
+    uploaded = first.files.create(file=request_file(tmp_path / "mine.jsonl", 2, 4, "k"),
+                                  purpose="batch")
+    assert (uploaded.object, uploaded.purpose, uploaded.filename) == ("file", "batch",
+                                                                      "mine.jsonl")
+    assert uploaded.bytes == (tmp_path / "mine.jsonl").stat().st_size
+    assert first.files.content(uploaded.id).content == (tmp_path / "mine.jsonl").read_bytes()
+    assert first.files.retrieve(uploaded.id) == uploaded
+    # a batch whose file is malformed: it is refused in validation, so no engine starts
+    bad = first.files.create(file=("bad.jsonl", b"{not json\n"), purpose="batch")
+    batch = first.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+
+    for call in (lambda: second.files.retrieve(uploaded.id),
+                 lambda: second.files.content(uploaded.id),
+                 lambda: second.files.delete(uploaded.id),
+                 lambda: second.batches.retrieve(batch.id),
+                 lambda: second.batches.cancel(batch.id),
+                 lambda: second.batches.create(input_file_id=uploaded.id,
+                                               endpoint="/v1/chat/completions",
+                                               completion_window="24h")):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        assert error_of(caught.value)["type"] == "invalid_request_error"
+    assert [f.id for f in second.files.list()] == []
+    assert [b.id for b in second.batches.list()] == []
+    assert uploaded.id in [f.id for f in first.files.list()]
+
+    with pytest.raises(openai.AuthenticationError) as caught:
+        server.client("sk-not-a-key-at-all").files.list()
+    assert error_of(caught.value)["code"] == "invalid_api_key"
+    no_header = httpx.get(f"{server.base_url}/batches")
+    assert no_header.status_code == 401 and no_header.json()["error"]["type"] == \
+        "invalid_request_error"
+    assert KEY not in server.log() and OTHER_KEY not in server.log()
+
+    assert first.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        first.files.retrieve(uploaded.id)
+
+
+def test_a_malformed_file_fails_its_batch_as_the_hosted_api_reports_it(server, tmp_path):
+    client = server.client()
+    lines = [json.dumps(request("a", "hi", 4)),
+             "{this is not json",
+             json.dumps(request("a", "the same custom_id", 4)),
+             json.dumps(request("b", "wrong url", 4, url="/v1/completions")),
+             json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions"})]
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    uploaded = client.files.create(file=tmp_path / "bad.jsonl", purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h", metadata={"run": "bad"})
+    assert created.status == "validating" and created.metadata == {"run": "bad"}
+    batch = wait(client, created.id)[-1]
+    assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
+    assert [(e.code, e.line) for e in batch.errors.data] == [
+        ("invalid_json_line", 2), ("duplicate_custom_id", 3), ("url_mismatch", 4),
+        ("missing_required_parameter", 5)]
+    assert batch.errors.data[3].param == "body"
+
+    empty = client.files.create(file=("empty.jsonl", b"\n"), purpose="batch")
+    batch = wait(client, client.batches.create(
+        input_file_id=empty.id, endpoint="/v1/chat/completions",
+        completion_window="24h").id)[-1]
+    assert [(e.code, e.line) for e in batch.errors.data] == [("empty_file", None)]
+
+    # malformed uploads and requests: 4xx with OpenAI's error object
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("notes.txt", b"hello"), purpose="batch")
+    assert error_of(caught.value)["message"] == "Invalid file format for Batch API. Must be .jsonl"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+    assert error_of(caught.value)["param"] == "purpose"
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("big.jsonl", b"x" * (9 << 20)), purpose="batch")
+    assert caught.value.status_code == 413 and error_of(caught.value)["param"] == "file"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                              completion_window="24h")
+    assert error_of(caught.value)["param"] == "endpoint"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    assert error_of(caught.value)["param"] == "input_file_id"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.cancel(batch.id)  # already failed
+    assert "failed" in error_of(caught.value)["message"]
+
+
+def test_batches_list_in_cursor_pages(server):
+    client = server.client()
+    created = [client.batches.create(
+        input_file_id=client.files.create(file=(f"e{i}.jsonl", b"\n"), purpose="batch").id,
+        endpoint="/v1/chat/completions", completion_window="24h").id for i in range(3)]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == created[::-1][:2] and first.has_more
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert second.data[0].id == created[0]
+    # the client's own auto-pagination walks every page, newest first, each batch once
+    every = [b.id for b in client.batches.list(limit=2)]
+    assert every[:3] == created[::-1] and len(every) == len(set(every))
+
+
+def _content(line: dict):
+    body = line["response"]["body"]
+    return ([c["message"]["content"] for c in body["choices"]],
+            [c["finish_reason"] for c in body["choices"]], body["usage"])
+
+
+def test_round_trip_equals_overnight_batch(server, tiny_model, tmp_path):
+    client = server.client()
+    requests = request_file(tmp_path / "requests.jsonl", 160, 48, "rt")
+    uploaded = client.files.create(file=requests, purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    seen = wait(client, created.id)
+    batch = seen[-1]
+    assert batch.status == "completed", batch
+    assert batch.request_counts.model_dump() == {"total": 160, "completed": 160, "failed": 0}
+    assert batch.error_file_id is None
+    assert batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    statuses = [b.status for b in seen]
+    assert statuses[0] in ("validating", "in_progress") and "in_progress" in statuses
+
+    results = lines_of(client, batch.output_file_id)
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    reference = tmp_path / "reference.jsonl"
+    subprocess.run([sys.executable, "-m", "pipelines.cli", "batch", str(requests),
+                    "-o", str(reference), "--model", tiny_model, "--config",
+                    str(server.root / "job.yaml"), "--quiet"], cwd=REPO, check=True,
+                   capture_output=True)
+    expected = [json.loads(line) for line in reference.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [f"rt-{i}" for i in range(160)]
+    assert {r["custom_id"]: _content(r) for r in results} == \
+        {r["custom_id"]: _content(r) for r in expected}
+
+
+def test_cancel_mid_run_keeps_the_results_done(server, tmp_path):
+    client = server.client()
+    uploaded = client.files.create(file=long_file(tmp_path / "long.jsonl", "c", 10_000, 32),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    running = some_done(client, batch.id)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    final = wait(client, batch.id)[-1]
+    assert final.status == "cancelled" and final.cancelled_at, final
+    done = final.request_counts.completed
+    assert 0 < running.request_counts.completed <= done < FAST + 10_000
+    assert final.request_counts.total == FAST + 10_000 and final.error_file_id is None
+    results = lines_of(client, final.output_file_id)
+    ids = [r["custom_id"] for r in results]
+    assert len(ids) == done == len(set(ids)) and set(ids) <= {f"c-{i}" for i in range(FAST + 10_000)}
+    assert all(r["response"]["status_code"] == 200 for r in results)
+
+
+def test_killed_and_restarted_the_batch_completes_nothing_lost_or_duplicated(server, tmp_path):
+    client = server.client()
+    uploaded = client.files.create(file=long_file(tmp_path / "r.jsonl", "r", 2_000, 4),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    queued = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+    before = some_done(client, batch.id)  # request_counts moved while it runs
+    assert before.status == "in_progress" and 0 < before.request_counts.completed < FAST + 2_000
+    server.kill()
+    server.start()
+    client = server.client()
+    assert client.batches.retrieve(queued.id).status == "in_progress"  # still queued
+    client.batches.cancel(queued.id)  # a queued batch: cancelled at once, with no results
+    seen = wait(client, batch.id)
+    final = seen[-1]
+    assert final.status == "completed", (final, server.log())
+    # the counts went on from the parts committed before the kill, never back
+    completed = [before.request_counts.completed] + [b.request_counts.completed for b in seen]
+    assert completed == sorted(completed)
+    assert final.request_counts.model_dump() == {"total": FAST + 2_000, "completed": FAST + 2_000,
+                                                 "failed": 0}
+    ids = collections.Counter(r["custom_id"] for r in lines_of(client, final.output_file_id))
+    assert ids == collections.Counter(f"r-{i}" for i in range(FAST + 2_000))
+    cancelled = wait(client, queued.id)[-1]
+    assert cancelled.status == "cancelled" and cancelled.output_file_id is None
+    assert cancelled.request_counts.completed == 0
