@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -173,6 +174,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     progress = progress or Progress(total=0, enabled=False)
     already = 0 if retry_errors else plan.input.num_rows - todo
     progress.total = todo + already
+    progress.requests_total = todo * config.sampling.n
     progress.start(str(store.path), already=already)
     parts: list[dict] = []  # this run's part records: counts, replica, times
     with ray_session(config.resources.address, verbose=verbose):
@@ -181,7 +183,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         check_paths_shared([os.path.abspath(loc.path) for loc in (*plan.input.files,
                                                                    store.staging) if loc.local])
         _quiet_ray_data(verbose)
-        health = _Health(plan.config.engine.max_restarts)
+        health = _Health(plan.config.engine.max_restarts, progress)
         ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name)
         try:
             # watch(): a job that writes nothing for a while says what it waits for
@@ -198,6 +200,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
                              "kept, and the same command resumes from them; --debug shows "
                              "the traceback)") from exc
         recovery = health.close()
+        samples = health.samples
     progress.finish()
     written = store.done_blocks()
     missing = [b.ordinal for b in plan.input.blocks if b.ordinal not in written]
@@ -223,7 +226,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         raise OutputError(f"output.path {str(store.path)!r}: cannot commit the output: "
                           f"{' '.join(str(exc).split())[:300]} (the parts written are kept: "
                           "run the same command again)") from None
-    summary.report = build_report(store.path, record, parts=parts, timings={
+    summary.report = build_report(store.path, record, parts=parts, samples=samples, timings={
         "started": started, "planned": planned, "ray_ready": ray_ready,
         "finished": time.time()})
     summary.report_path = str(write_report(store.path, summary.report))
@@ -231,9 +234,11 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
 
 
 class _Health:
-    """The job's EngineHealth actor (udfs/recovery.py), and its summary once the job ends."""
+    """The job's EngineHealth actor (udfs/recovery.py): the replicas' live counts, read every
+    ``every`` seconds into the progress line and the report's samples; its summary of engine
+    deaths once the job ends."""
 
-    def __init__(self, max_restarts: int):
+    def __init__(self, max_restarts: int, progress: Progress, every: float = 1.0):
         import uuid
 
         import ray
@@ -243,10 +248,29 @@ class _Health:
         self.name = f"overnight-health-{uuid.uuid4().hex[:12]}"
         self.actor = ray.remote(EngineHealth).options(
             name=self.name, num_cpus=0, lifetime=None).remote(max_restarts)
+        self.samples: list[dict] = []  # {"t": Unix seconds, "tokens": generated so far}
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, args=(progress, every),
+                                        name="overnight-progress", daemon=True)
+        self._poller.start()
+
+    def _poll(self, progress: Progress, every: float) -> None:
+        import ray
+
+        while not self._stop.wait(every):
+            try:
+                counts = ray.get(self.actor.snapshot.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - Ray going away: the job's own error says why
+                return
+            self.samples.append({"t": time.time(), "tokens": counts["tokens"],
+                                 "requests": counts["requests"]})
+            progress.update_live(counts)
 
     def close(self) -> dict:
         import ray
 
+        self._stop.set()
+        self._poller.join(timeout=15)
         try:
             return ray.get(self.actor.summary.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - the summary is a report's extra, never a failure

@@ -1,4 +1,14 @@
-"""Live progress: rows done / total, output tokens/s, ETA, errors so far.
+"""Live progress: rows written / total, requests generated, output tokens/s, ETA, errors.
+
+Two sources: the parts the writer commits (rows on disk, errors), and the replicas' live
+counts (requests finished, output tokens generated so far, reported every ~2 s through the
+job's EngineHealth actor: see udfs/recovery.py). Several blocks are in flight at once and
+long requests start first, so parts commit late; the live counts move from the first
+step. The rate and the ETA are in tokens. The tokens left are the budget left (the
+``max_tokens`` of the requests not finished, less what they generated so far; for requests
+not yet at an engine, the mean ``max_tokens`` of those that are) times the share of their
+budget finished requests used (1 with ignore_eos; less where EOS ends them early), at the
+output tokens/s of the last 15 s.
 
 On a terminal one line is redrawn in place; in a log file (stdout not a TTY) a plain line is
 printed every ``interval`` seconds instead of a flood of carriage returns.
@@ -7,7 +17,11 @@ printed every ``interval`` seconds instead of a flood of carriage returns.
 from __future__ import annotations
 
 import sys
+import threading
 import time
+
+
+RATE_WINDOW_S = 15.0
 
 
 class Progress:
@@ -21,6 +35,11 @@ class Progress:
         self.already = 0
         self.first = None  # (time, rows, tokens) at the first finished block: rates count
         # from there, so the engine's start-up does not drag the ETA for the whole night
+        self.requests_total = 0  # requests this run generates (rows x samples)
+        self.live: dict | None = None  # the replicas' counts: requests, tokens_finished, tokens
+        self.live_first: tuple[float, int] | None = None  # (time, tokens) at the first tokens
+        self.recent: list[tuple[float, int]] = []  # (time, tokens): the rate's window
+        self.lock = threading.Lock()  # the writer's parts and the replicas' counts both print
 
     def start(self, output: str, already: int = 0) -> None:
         self.start_time = self.last_print = time.time()
@@ -29,17 +48,65 @@ class Progress:
                    + (f" (resuming: {already} already written)" if already else ""))
 
     def update(self, rows: int, tokens: int, errors: int) -> None:
-        now = time.time()
-        self.done += rows
-        self.tokens += tokens
-        self.errors += errors
-        if self.first is None:
-            self.first = (now, self.done, self.tokens)
-        if now - self.last_print >= self.interval or self.done >= self.total:
-            self.last_print = now
-            self._emit(self.line(now), redraw=self.tty)
+        with self.lock:
+            now = time.time()
+            self.done += rows
+            self.tokens += tokens
+            self.errors += errors
+            if self.first is None:
+                self.first = (now, self.done, self.tokens)
+            if now - self.last_print >= self.interval or self.done >= self.total:
+                self.last_print = now
+                self._emit(self.line(now), redraw=self.tty)
+
+    def update_live(self, counts: dict) -> None:
+        """The replicas' counts, summed (EngineHealth.snapshot)."""
+        with self.lock:
+            now = time.time()
+            self.live = counts
+            if self.live_first is None and counts.get("tokens"):
+                self.live_first = (now, counts["tokens"])
+            if self.live_first is not None:
+                self.recent = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW_S]
+                self.recent.append((now, counts["tokens"]))
+            if now - self.last_print >= self.interval and self.done < self.total:
+                self.last_print = now
+                self._emit(self.line(now), redraw=self.tty)
 
     def line(self, now: float) -> str:
+        if self.live is not None and self.live_first is not None:
+            return self._live_line(now)
+        return self._parts_line(now)
+
+    def _live_line(self, now: float) -> str:
+        live = self.live
+        elapsed = max(now - self.start_time, 1e-9)
+        since, tokens0 = self.recent[0] if self.recent else self.live_first
+        window = now - since
+        rate = (live["tokens"] - tokens0) / window if window >= 1.0 else 0.0
+        requests, total = live["requests"], max(self.requests_total, live["requests"])
+        if self.done >= self.total:  # every part is written: the counts may lag by a poll
+            requests = total
+        eta = self._tokens_left(live, total) / rate if rate > 0 else float("nan")
+        if self.done >= self.total:
+            eta = 0.0
+        pct = 100.0 * self.done / max(self.total, 1)
+        return (f"rows {self.done}/{self.total} ({pct:.0f}%) written | generated "
+                f"{requests}/{total} | {rate:.0f} tok/s out | errors {self.errors} | "
+                f"elapsed {_clock(elapsed)} | eta {_clock(eta)}")
+
+    @staticmethod
+    def _tokens_left(live: dict, total: int) -> float:
+        seen, cap_seen = live.get("requests_seen", 0), live.get("cap_seen", 0)
+        if not seen or not live.get("cap_finished"):
+            return float("nan")
+        in_flight = max(live["tokens"] - live["tokens_finished"], 0)
+        budget = cap_seen - live["cap_finished"] - in_flight
+        budget += max(total - seen, 0) * cap_seen / seen  # not at an engine yet
+        used = min(live["tokens_finished"] / live["cap_finished"], 1.0)
+        return max(budget * used, 0.0)
+
+    def _parts_line(self, now: float) -> str:
         elapsed = max(now - self.start_time, 1e-9)
         since, rows0, tokens0 = self.first or (self.start_time, self.already, 0)
         if now - since < 1.0:  # one block so far: all we know is the rate since the start
@@ -57,7 +124,7 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
 
-    def _emit(self, text: str, redraw: bool = False) -> None:
+    def _emit(self, text: str, redraw: bool = False) -> None:  # with the lock held
         if not self.enabled:
             return
         self.stream.write(("\r\x1b[2K" + text) if redraw else text + "\n")

@@ -34,10 +34,11 @@ def report_path(output: str | Path | Location) -> Location:
 
 
 def build_report(output: str | Path, record: dict, *, timings: dict | None = None,
-                 parts: list[dict] | None = None) -> dict:
+                 parts: list[dict] | None = None, samples: list[dict] | None = None) -> dict:
     """The report of a committed output. ``record`` is the job record (config, fingerprint);
     ``timings`` ({started, planned, ray_ready, finished}, Unix seconds) and ``parts`` (this
-    run's part records from the writer) add the time split and the throughput."""
+    run's part records from the writer) add the time split and the throughput; ``samples``
+    (the replicas' live token counts over time) the throughput over time."""
     import polars as pl
 
     config = record.get("config", {})
@@ -77,7 +78,37 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
     if timings and parts is not None:
         report.update(_times(timings, parts))
+        if samples:  # the throughput as the replicas generated it, not as parts landed
+            report["samples"] = [{"t": round(s["t"] - timings["started"], 2),
+                                  "tokens": s["tokens"]} for s in samples]
+    report["sample_rows"] = _sample_rows(output, config, key)
     return report
+
+
+SAMPLE_ROWS, SAMPLE_CHARS = 5, 160
+
+
+def _sample_rows(output: Location, config: dict, key: str) -> list[dict]:
+    """A few rows of the output, input beside output, for the HTML page."""
+    first = next((name for name in output.names() if part_ordinal(name) is not None), None)
+    if first is None:
+        return []
+    part = read_part(output / first)
+    text = (config.get("output") or {}).get("column", "generated")
+    shown = [c for c in part.column_names if c not in (*columns.GENERATED, columns.ROW_ID)]
+    rows = []
+    for row in part.slice(0, SAMPLE_ROWS).to_pylist():
+        rows.append({c: _clip(row[c]) for c in [key, *[c for c in shown if c != key]]
+                     if c in row} | {"error": _clip(row.get(columns.ERROR))}
+                    | ({text: _clip(row.get(text))} if text in row else {}))
+    return rows
+
+
+def _clip(value) -> str | None:
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS - 1] + "…"
 
 
 def _plain(value):
@@ -243,24 +274,62 @@ def render_html(report: dict) -> str:
     bars = [(f"{lo}-{hi - 1}", n) for lo, hi, n in
             zip(hist["edges"], hist["edges"][1:], hist["counts"])]
     charts = [_svg_bars("Output length (tokens per row)", bars, "rows")]
+    samples = report.get("samples") or []
     timeline = report.get("timeline") or []
-    if timeline:
+    if len(samples) > 1:
+        charts.append(_svg_bars("Throughput over time (output tokens/s, sampled from the "
+                                "replicas as they generate)", _sampled_rates(samples), "tok/s"))
+    elif timeline:
         charts.append(_svg_bars("Throughput over time (output tokens/s, per part written)",
                                 _rates(timeline, report["time"]["startup_s"]), "tok/s"))
     table = "\n".join(html.escape(line) for line in report_lines(report))
+    tables = "".join([_html_table("Sample rows: input and output", report.get("sample_rows")),
+                      _html_table("Errors by kind", [
+                          {"kind": k, "rows": e["count"],
+                           "example ids": ", ".join(map(str, e["examples"]))}
+                          for k, e in report["rows"]["errors_by_kind"].items()]),
+                      _html_table("Replicas", (report.get("throughput") or {}).get(
+                          "per_replica"))])
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>overnight report: {html.escape(report['output'])}</title>
 <style>
 body {{ font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; max-width: 60em; }}
 pre {{ background: #f6f6f4; padding: 1em; white-space: pre-wrap; }}
 svg {{ display: block; margin: 1.5em 0; }}
+table {{ border-collapse: collapse; margin: 1em 0 2em; font-size: 13px; }}
+th, td {{ border: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }}
+th {{ background: #f0f0ec; }}
 .bar {{ fill: #4a7ab7; }} .axis {{ stroke: #888; }} text {{ font-size: 11px; fill: #333; }}
 </style></head><body>
 <h1>overnight run report</h1>
 <pre>{table}</pre>
 {''.join(charts)}
+{tables}
 </body></html>
 """
+
+
+def _html_table(title: str, rows: list[dict] | None) -> str:
+    if not rows:
+        return ""
+    heads = list(dict.fromkeys(k for row in rows for k in row))
+    cell = lambda v: "" if v is None else html.escape(str(v))  # noqa: E731
+    body = "".join("<tr>" + "".join(f"<td>{cell(row.get(h))}</td>" for h in heads) + "</tr>"
+                   for row in rows)
+    return (f"<h2>{html.escape(title)}</h2><table><tr>"
+            + "".join(f"<th>{html.escape(h)}</th>" for h in heads) + f"</tr>{body}</table>")
+
+
+def _sampled_rates(samples: list[dict], bins: int = 20) -> list[tuple[str, float]]:
+    """Output tokens/s between the replicas' samples, in equal time slices."""
+    start, end = samples[0]["t"], samples[-1]["t"]
+    width = max((end - start) / bins, 1e-3)
+    tokens = [0.0] * bins
+    for before, after in zip(samples, samples[1:]):
+        tokens[min(int((after["t"] - start) / width), bins - 1)] += \
+            after["tokens"] - before["tokens"]
+    digits = 0 if width >= 1 else 1
+    return [(f"{start + i * width:.{digits}f}s", n / width) for i, n in enumerate(tokens)]
 
 
 def _rates(timeline: list[dict], startup: float, bins: int = 20) -> list[tuple[str, float]]:

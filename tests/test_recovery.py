@@ -26,7 +26,7 @@ from udfs.columns import ErrorKind
 
 from conftest import REPO, job_config
 
-ROWS = 48
+ROWS = 96
 POISON_ROW, POISON_TOKENS = 29, 13  # the marked row asks for 13 tokens; none other does
 FAULTS = REPO / "tests" / "faults"
 
@@ -115,7 +115,7 @@ def restarts(root: Path, name: str) -> list[dict]:
 def test_a_replica_killed_with_kill_9_is_replaced_and_the_output_is_whole(recovery_job,
                                                                           tiny_model):
     root, reference = recovery_job
-    done, seconds = run(root, config(tiny_model, root, "killed"), kill_after_parts=3)
+    done, seconds = run(root, config(tiny_model, root, "killed"), kill_after_parts=1)
     assert done.returncode == 0, done.stderr
     assert pl.read_parquet(root / "killed").equals(reference)
     (restart,) = restarts(root, "killed")

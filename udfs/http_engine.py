@@ -132,6 +132,7 @@ class HTTPEngine:
                                        daemon=True)
         self.thread.start()
         self.client, self.slots = self._call(self._open())
+        self._done = self._tokens = 0
 
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
@@ -145,7 +146,14 @@ class HTTPEngine:
         return client, asyncio.Semaphore(limit)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        return self._call(self._generate(requests))
+        results = self._call(self._generate(requests))
+        self._done += len(results)
+        self._tokens += sum(r.completion_tokens or 0 for r in results)
+        return results
+
+    def progress(self) -> dict:
+        """Requests finished and their output tokens (counted a block at a time)."""
+        return {"requests": self._done, "tokens_finished": self._tokens, "tokens": self._tokens}
 
     async def _generate(self, requests):
         return await asyncio.gather(*(self._one(r) for r in requests))

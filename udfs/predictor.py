@@ -133,7 +133,10 @@ class Predictor:
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        block = batch.column(columns.ORDINAL)[0].as_py() if batch.num_rows else -1
+        # which block this is, for isolating poison rows (a user's own pipeline may have no
+        # ordinals, and runs without that)
+        block = (batch.column(columns.ORDINAL)[0].as_py()
+                 if batch.num_rows and columns.ORDINAL in batch.column_names else -1)
         if self.renderer is not None:
             with self.render_lock:
                 batch = self.renderer(batch)

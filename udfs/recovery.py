@@ -28,6 +28,7 @@ import time
 from udfs.columns import ErrorKind
 from udfs.engine import GenerationResult
 
+PROGRESS_EVERY_S = 1.0  # how often a replica reports its live counts
 DEATH_EXIT_CODE = 75  # os._exit status of a replica that ended itself (EX_TEMPFAIL)
 UNREPORTED = ("the replica's process died without a word (killed, out of memory, or a crash "
               "in native code)")
@@ -52,6 +53,7 @@ class EngineHealth:
         self.retried: set[int] = set()
         self.isolated: dict[str, str] = {}  # "block:row" -> cause
         self.refused: str | None = None
+        self.live: dict[tuple[str, int], dict] = {}  # (actor, start) -> progress counts
 
     def hello(self, actor: str) -> str | None:
         """An engine is about to be built; the reason it may not, past the bound."""
@@ -67,6 +69,16 @@ class EngineHealth:
 
     def died(self, actor: str, cause: str) -> None:
         self.reported[actor] = cause
+
+    def progress(self, actor: str, counts: dict) -> None:
+        """A replica's live counts (since its engine started: each start counts apart)."""
+        self.live[(actor, self.starts.get(actor, 0))] = counts
+
+    def snapshot(self) -> dict:
+        """Requests finished, their tokens, and tokens generated, over every engine so far."""
+        keys = ("requests", "tokens_finished", "tokens", "requests_seen", "cap_seen",
+                "cap_finished")
+        return {k: sum(c.get(k, 0) for c in self.live.values()) for k in keys}
 
     def begin(self, key: int, size: int) -> dict:
         """A replica starts a block: which of its rows are suspect, which known to kill."""
@@ -128,9 +140,10 @@ class Recovery:
                 raise EngineRestartLimitError(refusal)
 
     def watch(self, engine) -> None:
-        """Once the engine is built: end this replica if it stalls."""
-        if self.stall_timeout_s and hasattr(engine, "stalled_for"):
-            threading.Thread(target=self._watch, args=(engine,), name="overnight-stall-watch",
+        """Once the engine is built: report its progress, and end this replica if it
+        stalls."""
+        if self.health is not None or self.stall_timeout_s:
+            threading.Thread(target=self._watch, args=(engine,), name="overnight-watch",
                              daemon=True).start()
 
     def generate(self, engine, key: int, requests: list) -> list[GenerationResult]:
@@ -182,11 +195,17 @@ class Recovery:
             os._exit(DEATH_EXIT_CODE)
 
     def _watch(self, engine) -> None:
-        period = max(0.2, min(5.0, self.stall_timeout_s / 4))
+        period = min(PROGRESS_EVERY_S, max(0.2, (self.stall_timeout_s or 60) / 4))
+        stall_check = self.stall_timeout_s and hasattr(engine, "stalled_for")
         while True:
             time.sleep(period)
-            stalled = engine.stalled_for()
-            if stalled > self.stall_timeout_s:
+            if self.health is not None and hasattr(engine, "progress"):
+                try:
+                    self.health.progress.remote(self.actor, engine.progress())  # no wait
+                except Exception:  # noqa: BLE001 - the job is ending; progress is no matter
+                    pass
+            stalled = engine.stalled_for() if stall_check else 0.0
+            if stall_check and stalled > self.stall_timeout_s:
                 self.engine_died(f"EngineStalled: no step finished for {stalled:.0f} s with "
                                  f"requests pending (engine.stall_timeout_s "
                                  f"{self.stall_timeout_s:g})")

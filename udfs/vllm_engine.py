@@ -141,6 +141,14 @@ class VLLMEngine:
         """Seconds the engine has held unfinished requests without finishing a step."""
         return self._stepper.stalled_for()
 
+    def progress(self) -> dict:
+        """Requests finished, their output tokens, and output tokens generated so far."""
+        s = self._stepper
+        return {"requests": s.requests_done, "tokens_finished": s.tokens_finished,
+                "tokens": max(s.tokens_live, s.tokens_finished),
+                "requests_seen": s.requests_seen, "cap_seen": s.cap_seen,
+                "cap_finished": s.cap_finished}
+
     def close(self) -> None:
         stepper = getattr(self, "_stepper", None)
         if stepper is not None:
@@ -203,6 +211,11 @@ class _Stepper:
         self.counter = itertools.count()
         self.steps = 0
         self.busy_since: float | None = None  # last step finished, or work arrived (monotonic)
+        # live progress (udfs/recovery.py reports it): requests finished, their tokens, and
+        # tokens generated so far including unfinished requests' (one a running request a step)
+        self.requests_done = self.tokens_finished = self.tokens_live = 0
+        # and the token budget: max_tokens of the requests seen, and of those finished
+        self.requests_seen = self.cap_seen = self.cap_finished = 0
         self.broken: BaseException | None = None
         self.stopping = False
         self.wake = threading.Event()
@@ -270,10 +283,16 @@ class _Stepper:
                     continue
                 if self.busy_since is None:
                     self.busy_since = time.monotonic()
+                running = len(self.pending)
                 for out in llm_engine.step():
                     if out.finished and out.request_id in self.pending:
                         batch, index = self.pending.pop(out.request_id)
-                        batch.set(index, _result(out))
+                        result = _result(out)
+                        batch.set(index, result)
+                        self.requests_done += 1
+                        self.tokens_finished += result.completion_tokens
+                        self.cap_finished += batch.requests[index].max_tokens
+                self.tokens_live += running
                 self.steps += 1
                 self.busy_since = time.monotonic()
         except BaseException as exc:  # the engine is gone: fail every waiting block
@@ -285,6 +304,8 @@ class _Stepper:
             _fail_all(self.inbox, exc)
 
     def _queue(self, batch: _Batch) -> None:
+        self.requests_seen += len(batch.requests)
+        self.cap_seen += sum(r.max_tokens for r in batch.requests)
         if self.busy_since is None:  # work waits from now: a stall counts from here
             self.busy_since = time.monotonic()
         for index in range(len(batch.requests)):
@@ -299,6 +320,8 @@ class _Stepper:
             engine.llm.llm_engine.add_request(request_id, engine._prompt(request), params)
         except engine._request_errors as exc:  # this request only: a row error
             batch.set(index, GenerationResult(None, None, None, error=_one_line(exc)))
+            self.requests_done += 1
+            self.cap_finished += request.max_tokens
             return
         self.pending[request_id] = (batch, index)
 
