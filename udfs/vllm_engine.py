@@ -212,8 +212,9 @@ class _Stepper:
         self.steps = 0
         self.busy_since: float | None = None  # last step finished, or work arrived (monotonic)
         # live progress (udfs/recovery.py reports it): requests finished, their tokens, and
-        # tokens generated so far including unfinished requests' (one a running request a step)
+        # tokens generated so far including unfinished requests' (counted once a second)
         self.requests_done = self.tokens_finished = self.tokens_live = 0
+        self._counted_at = 0.0
         # and the token budget: max_tokens of the requests seen, and of those finished
         self.requests_seen = self.cap_seen = self.cap_finished = 0
         self.broken: BaseException | None = None
@@ -283,7 +284,6 @@ class _Stepper:
                     continue
                 if self.busy_since is None:
                     self.busy_since = time.monotonic()
-                running = len(self.pending)
                 for out in llm_engine.step():
                     if out.finished and out.request_id in self.pending:
                         batch, index = self.pending.pop(out.request_id)
@@ -292,7 +292,7 @@ class _Stepper:
                         self.requests_done += 1
                         self.tokens_finished += result.completion_tokens
                         self.cap_finished += batch.requests[index].max_tokens
-                self.tokens_live += running
+                self._count_live(llm_engine)
                 self.steps += 1
                 self.busy_since = time.monotonic()
         except BaseException as exc:  # the engine is gone: fail every waiting block
@@ -302,6 +302,21 @@ class _Stepper:
             for batch in self.waiting.batches():
                 batch.fail(exc)
             _fail_all(self.inbox, exc)
+
+    def _count_live(self, llm_engine) -> None:
+        """Tokens generated so far: those of finished requests, plus what the unfinished
+        ones hold in vLLM's output processor (read here, in the one thread that steps the
+        engine; once a second, a sum over at most max_num_seqs requests)."""
+        now = time.monotonic()
+        if now - self._counted_at < 1.0:
+            return
+        self._counted_at = now
+        try:
+            states = llm_engine.output_processor.request_states.values()
+            in_flight = sum(s.detokenizer.num_output_tokens() for s in states)
+        except AttributeError:  # another vLLM: its internals moved; finished tokens only
+            in_flight = 0
+        self.tokens_live = self.tokens_finished + in_flight
 
     def _queue(self, batch: _Batch) -> None:
         self.requests_seen += len(batch.requests)
