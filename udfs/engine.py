@@ -55,6 +55,12 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line, ``Type: message``, for a row's error or a death's cause."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
 # kind -> "module:Class"; imported only when an engine of that kind is built.
 ENGINES = {
     "vllm": "udfs.vllm_engine:VLLMEngine",

@@ -27,6 +27,7 @@ import time
 
 from udfs.columns import ErrorKind
 from udfs.engine import GenerationResult
+from udfs.engine import one_line as _one_line
 
 PROGRESS_EVERY_S = 1.0  # how often a replica reports its live counts
 DEATH_EXIT_CODE = 75  # os._exit status of a replica that ended itself (EX_TEMPFAIL)
@@ -156,7 +157,7 @@ class Recovery:
         else:
             with self.exclusive.alone():
                 results = self._isolate(engine, key, requests, plan)
-        self._ask(self.health.end, key)
+        self.health.end.remote(key)  # no wait: nothing hangs on it, and calls stay in order
         return results
 
     def _isolate(self, engine, key: int, requests: list, plan: dict) -> list[GenerationResult]:
@@ -266,7 +267,3 @@ class _Held:
     def __exit__(self, *exc):
         self._exit()
 
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:400]

@@ -15,6 +15,7 @@ import time
 from typing import Sequence
 
 from udfs.engine import EngineSpec, GenerationRequest, GenerationResult
+from udfs.engine import one_line as _one_line
 
 
 def on_cpu() -> bool:
@@ -394,7 +395,3 @@ def _result(out) -> GenerationResult:
         completion_tokens=len(completion.token_ids),
     )
 
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:500]
