@@ -69,7 +69,8 @@ def job(model: str, source: Path, out: Path, hi: int, batch_size: int, dtype: st
 
 
 def render(config: dict) -> tuple[list[list[int]], list[int]]:
-    """The prompts exactly as the pipeline renders them, and each row's max_tokens."""
+    """The prompts exactly as the pipeline renders them, and each row's max_tokens (its
+    max_tokens column's, or the job's)."""
     import pyarrow.parquet as pq
 
     from pipelines.config import load_config
@@ -80,8 +81,10 @@ def render(config: dict) -> tuple[list[list[int]], list[int]]:
     plan = plan_job(load_config(config))
     table = pq.read_table(config["input"]["path"])
     rendered = PromptRenderer(plan.render)(table)
+    caps_column = config["sampling"].get("max_tokens_column")
     return (rendered.column(columns.PROMPT_TOKEN_IDS).to_pylist(),
-            table.column("max_tokens").to_pylist())
+            table.column(caps_column).to_pylist() if caps_column
+            else [config["sampling"]["max_tokens"]] * table.num_rows)
 
 
 def reference(mode: str, spec_path: str) -> None:
@@ -171,9 +174,11 @@ def _role(cmdline: list[str]) -> str:
     return (cmdline[0].rsplit("/", 1)[-1] if cmdline else "?") + " (other)"
 
 
-def run_pipeline(config: dict, work: Path, name: str, memory: bool) -> dict:
-    """``overnight run`` in a fresh process; samples its process tree's CPU times, and with
-    ``memory`` its RSS and PSS (4 times a second: not in a timed run, see tree_sample)."""
+def run_pipeline(config: dict, work: Path, name: str, memory: bool, env: dict | None = None,
+                 every: float | None = None) -> dict:
+    """``overnight run`` in a fresh process (with ``env`` added to its environment); samples
+    its process tree's CPU times, and with ``memory`` its RSS and PSS (4 times a second unless
+    ``every`` says otherwise: not in a timed run, see tree_sample)."""
     import yaml
 
     path = work / f"{name}.yaml"
@@ -182,6 +187,7 @@ def run_pipeline(config: dict, work: Path, name: str, memory: bool) -> dict:
     started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(path),
                              "--quiet", "--overwrite"], cwd=REPO,
+                            env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak, peak_pss, first_part, by_role, cpu = 0, 0, None, {}, {}
 
@@ -194,7 +200,7 @@ def run_pipeline(config: dict, work: Path, name: str, memory: bool) -> dict:
                 by_role[role] = max(by_role.get(role, 0), size)
             if first_part is None and staging.exists() and any(staging.glob("part-*")):
                 first_part = time.time() - started
-            time.sleep(0.25 if memory else 1.0)
+            time.sleep(every or (0.25 if memory else 1.0))
 
     watcher = threading.Thread(target=sample)
     watcher.start()
@@ -203,7 +209,7 @@ def run_pipeline(config: dict, work: Path, name: str, memory: bool) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"overnight run failed:\n{stderr[-2000:]}")
     out = {"process_start_to_done_s": time.time() - started, "first_part_s": first_part,
-           "cpu_s_by_process": _cpu_by_role(cpu), "stdout": stdout}
+           "cpu_s_by_process": _cpu_by_role(cpu), "stdout": stdout, "pid": proc.pid}
     if memory:
         out.update({"peak_rss_mib": peak / 2**20, "peak_pss_mib": peak_pss / 2**20,
                     "peak_pss_mib_by_process": {k: round(v / 2**20, 1) for k, v in
