@@ -154,6 +154,15 @@ class SamplingConfig(_Strict):
     seed: int = Field(0, description="Job seed; each row's seed derives from it and the row id.")
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = Field(False, description="Generate exactly max_tokens (benchmarks).")
+    repetition_penalty: float = Field(
+        1.0, gt=0, le=2, description="vLLM's repetition penalty: above 1 discourages "
+        "tokens already in the prompt or output; 1 is off.")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI's presence "
+                                    "penalty; 0 is off.")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI's frequency "
+                                     "penalty; 0 is off.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end a generation, beside EOS.")
 
 
 class StructuredConfig(_Strict):
@@ -180,6 +189,16 @@ class OutputConfig(_Strict):
     dedupe: bool = Field(
         False, description="Drop a sample whose text repeats an earlier sample of the same "
         "input row (with sampling.n > 1); the summary says how many.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Add a column (logprobs_column) holding each "
+        "generated token, its logprob and this many most likely alternatives; 0: the "
+        "tokens' own logprobs only. Under structured output these are after the grammar's "
+        "mask (the allowed tokens share all the probability).")
+    logprobs_column: str = Field("logprobs", description="Name of the logprobs column.")
+    confidence_column: str | None = Field(
+        "confidence", description="With structured.choice: a column with the probability "
+        "of the chosen label among the allowed labels, read from the same generation's "
+        "logprobs; null for none.")
 
 
 class ResourcesConfig(_Strict):
@@ -248,13 +267,31 @@ class JobConfig(_Strict):
         if self.output.parsed_column in (*columns.GENERATED, self.output.column):
             raise ValueError(f"output.parsed_column {self.output.parsed_column!r} is taken; "
                              "choose another name")
+        taken = [*columns.GENERATED, self.output.column, self.output.parsed_column]
+        for key in ("logprobs_column", "confidence_column"):
+            name = getattr(self.output, key)
+            if name is not None and name in taken:
+                raise ValueError(f"output.{key} {name!r} is taken; choose another name")
+            taken.append(name)
         return self
+
+    def logprobs_column(self) -> str | None:
+        """The logprobs column, when the job writes one: asked for, or rows may ask."""
+        return self.output.logprobs_column if self.output.logprobs is not None else None
+
+    def confidence_column(self) -> str | None:
+        """The confidence column, with structured.choice."""
+        choice = self.structured is not None and self.structured.choice is not None
+        return self.output.confidence_column if choice else None
 
     def generated_columns(self) -> list[str]:
         """The columns the job adds to every source row, in output order."""
         added = [self.output.column, *columns.GENERATED]
         if self.structured is not None and self.structured.json_schema is not None:
             added.insert(1, self.output.parsed_column)
+        for scores in (self.confidence_column(), self.logprobs_column()):
+            if scores is not None:
+                added.insert(added.index(columns.FINISH_REASON), scores)
         if self.sampling.n > 1 or self.sampling.overrides_column:
             added.insert(0, columns.SAMPLE_INDEX)
         if self.input.id_column is None:

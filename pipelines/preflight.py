@@ -22,6 +22,7 @@ from pipelines.read import InputPlan, glob_regex, read_block, scan_input
 from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
 from udfs.engine import EngineSpec
+from udfs.logprobs import SERVER_TOP_K_MAX, confidence_top_k
 from udfs.parsers import SchemaError, StructuredSpec
 from udfs.predictor import SamplingSpec
 from udfs.prompts import RenderSpec, TemplateError, compile_template, load_tokenizer
@@ -86,12 +87,24 @@ def plan_job(config: JobConfig) -> JobPlan:
         **config.engine.model_dump(exclude={"kind", *RECOVERY_SETTINGS}),
     })
     s = config.sampling
+    confidence = config.confidence_column()
+    top_for_confidence = 0
+    if confidence:  # a server allows what it allows: usually OpenAI's 20
+        top_for_confidence = (confidence_top_k(structured.choice, SERVER_TOP_K_MAX)
+                              if config.engine.kind == "http"
+                              else confidence_top_k(structured.choice))
+    if top_for_confidence > 20 and config.engine.kind == "vllm":
+        engine_options["max_logprobs"] = top_for_confidence  # vLLM allows 20 by default
     sampling = SamplingSpec(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, stop_token_ids=tuple(s.stop_token_ids),
         key_column=config.input.id_column or columns.ORDINAL,
         structured=structured.engine_params() if structured else None, n=s.n,
         max_tokens_column=s.max_tokens_column, overrides_column=s.overrides_column,
+        logprobs_column=config.logprobs_column(), logprobs=config.output.logprobs,
+        confidence_column=confidence, confidence_top_k=top_for_confidence,
     )
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(config.engine.kind, config.model.name, engine_options),

@@ -32,6 +32,12 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    # Per generated token: its logprob and this many top alternatives (None: no logprobs)
+    logprobs: int | None = None
     # Constrained decoding: {"json": schema} | {"choice": [...]} | {"regex": "..."}
     structured: dict | None = None
     # The same prompt as chat messages, for an engine that applies the chat template itself
@@ -45,6 +51,18 @@ class GenerationResult:
     completion_tokens: int | None
     error: str | None = None  # set when this request failed; the others are unaffected
     error_kind: str | None = None  # with error: its ErrorKind; default engine_error
+    # With request.logprobs: one TokenLogprob per generated token, as plain dicts (the
+    # Arrow struct of the logprobs column: token, token_id, logprob, top)
+    logprobs: list[dict] | None = None
+
+
+def token_logprob(token: str | None, token_id: int | None, logprob: float,
+                  top: list[dict] | None = None) -> dict:
+    """One generated token's entry of a result's ``logprobs``; ``top`` holds entries of the
+    same shape without ``top``, most likely first. ``token_id`` is None where an engine
+    returns text only (an OpenAI server)."""
+    entry = {"token": token, "token_id": token_id, "logprob": logprob}
+    return entry if top is None else {**entry, "top": top}
 
 
 class Engine(Protocol):

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import httpx
 
-from udfs.engine import EngineSpec, GenerationRequest, GenerationResult
+from udfs.engine import EngineSpec, GenerationRequest, GenerationResult, token_logprob
 from udfs.redact import scrub
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -80,6 +80,19 @@ def request_body(options: HTTPOptions, r: GenerationRequest) -> dict:
         body["min_tokens"] = r.min_tokens
     if r.ignore_eos:
         body["ignore_eos"] = True
+    if r.presence_penalty:
+        body["presence_penalty"] = r.presence_penalty
+    if r.frequency_penalty:
+        body["frequency_penalty"] = r.frequency_penalty
+    if r.repetition_penalty != 1.0:
+        body["repetition_penalty"] = r.repetition_penalty
+    if r.stop_token_ids:
+        body["stop_token_ids"] = list(r.stop_token_ids)
+    if r.logprobs is not None:  # the two endpoints ask for them differently
+        if options.endpoint == "chat":
+            body.update(logprobs=True, top_logprobs=r.logprobs)
+        else:
+            body["logprobs"] = r.logprobs
     structured = r.structured or {}
     if "json" in structured:
         body["response_format"] = {"type": "json_schema",
@@ -94,7 +107,25 @@ def parse_response(endpoint: str, data: dict) -> GenerationResult:
     text = choice["message"].get("content") if endpoint == "chat" else choice["text"]
     usage = data.get("usage") or {}
     return GenerationResult(text=text or "", finish_reason=choice.get("finish_reason"),
-                            completion_tokens=usage.get("completion_tokens"))
+                            completion_tokens=usage.get("completion_tokens"),
+                            logprobs=parse_logprobs(endpoint, choice.get("logprobs")))
+
+
+def parse_logprobs(endpoint: str, logprobs: dict | None) -> list[dict] | None:
+    """The OpenAI shapes as the engine interface's entries (text only: no token ids). Chat:
+    ``content[]`` of {token, logprob, top_logprobs[]}; completions: parallel lists, the
+    alternatives as {token: logprob} (which holds the chosen token too: the top K kept)."""
+    if not logprobs:
+        return None
+    if endpoint == "chat":
+        return [token_logprob(t["token"], None, t["logprob"], [
+            token_logprob(a["token"], None, a["logprob"]) for a in t.get("top_logprobs") or ()])
+            for t in logprobs.get("content") or ()]
+    tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
+    return [token_logprob(token, None, logprob, [
+        token_logprob(t, None, lp) for t, lp in sorted(
+            (top or {}).items(), key=lambda item: -item[1])])
+        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], tops)]
 
 
 def server_message(response: httpx.Response) -> str:

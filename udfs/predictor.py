@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from udfs import columns
 from udfs.columns import ErrorKind
 from udfs.engine import EngineSpec, GenerationRequest, build_engine
+from udfs.logprobs import LOGPROBS_TYPE, label_confidence, truncate_top
 from udfs.prompts import PromptRenderer, RenderSpec
 from udfs.recovery import Recovery
 
@@ -37,12 +38,25 @@ class SamplingSpec:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
     key_column: str = columns.ORDINAL  # the id column, when the input has one
     structured: dict | None = None  # see GenerationRequest.structured
     n: int = 1  # samples per row: the output has n rows per input row
     max_tokens_column: str | None = None  # each row's own cap, at most max_tokens
     # A column of JSON objects: this row's temperature, top_p, seed, stop, n, json_schema
+    # and the rest of RowOverrides' fields
     overrides_column: str | None = None
+    # The logprobs column (udfs/logprobs.py), when set: each row's tokens with ``logprobs``
+    # top alternatives (a row's overrides may set its own, or null for none)
+    logprobs_column: str | None = None
+    logprobs: int | None = None
+    # With structured choice: the column of the chosen label's confidence, and the top
+    # alternatives it needs (udfs/logprobs.confidence_top_k)
+    confidence_column: str | None = None
+    confidence_top_k: int = 0
 
 
 class RowOverrides(BaseModel):
@@ -56,6 +70,15 @@ class RowOverrides(BaseModel):
     n: int = Field(None, ge=1, le=1024)
     stop: list[str] = None
     json_schema: dict = None
+    # the logprobs column's top alternatives for this row; null: no logprobs
+    logprobs: int | None = Field(None, ge=0, le=20)
+    top_k: int = Field(None, ge=-1)  # -1 or 0: off, as in vLLM
+    min_tokens: int = Field(None, ge=0)
+    ignore_eos: bool = None
+    repetition_penalty: float = Field(None, gt=0, le=2)
+    presence_penalty: float = Field(None, ge=-2, le=2)
+    frequency_penalty: float = Field(None, ge=-2, le=2)
+    stop_token_ids: list[int] = None
 
     @classmethod
     def of(cls, value, struct: bool = False) -> dict:
@@ -124,13 +147,48 @@ class Predictor:
         elif temperature > 0:  # greedy needs no seed, and an unseeded request is cheaper
             seed = row_seed(s.seed, key, sample)
         schema = overrides.get("json_schema")
+        top_k = overrides.get("top_k", s.top_k)
+        top = max(self._top(overrides) or 0, s.confidence_top_k)
         return GenerationRequest(
             prompt_token_ids=token_ids, max_tokens=cap, temperature=temperature,
-            top_p=overrides.get("top_p", s.top_p), top_k=s.top_k, min_tokens=s.min_tokens,
-            seed=seed, stop=tuple(overrides.get("stop", s.stop)), ignore_eos=s.ignore_eos,
+            top_p=overrides.get("top_p", s.top_p), top_k=top_k if top_k and top_k > 0 else None,
+            min_tokens=overrides.get("min_tokens", s.min_tokens),
+            seed=seed, stop=tuple(overrides.get("stop", s.stop)),
+            ignore_eos=overrides.get("ignore_eos", s.ignore_eos),
+            repetition_penalty=overrides.get("repetition_penalty", s.repetition_penalty),
+            presence_penalty=overrides.get("presence_penalty", s.presence_penalty),
+            frequency_penalty=overrides.get("frequency_penalty", s.frequency_penalty),
+            stop_token_ids=tuple(overrides.get("stop_token_ids", s.stop_token_ids)),
+            logprobs=top if self._top(overrides) is not None or s.confidence_top_k else None,
             structured={"json": schema} if schema is not None else s.structured,
             messages=json.loads(messages) if messages is not None else None,
         )
+
+    def _top(self, overrides: dict) -> int | None:
+        """The top alternatives this row's logprobs column asks for; None: no column."""
+        if self.sampling.logprobs_column is None:
+            return None
+        return overrides["logprobs"] if "logprobs" in overrides else self.sampling.logprobs
+
+    def _scores(self, todo: list[int], results: list, overrides: list[dict],
+                rows: int) -> list[tuple[str, pa.Array]]:
+        """The logprobs and confidence columns, as the job asks for them."""
+        s, added = self.sampling, []
+        if s.logprobs_column is not None:
+            values = [None] * rows
+            for i, result in zip(todo, results):
+                top = self._top(overrides[i])
+                if top is not None and result.error is None:
+                    values[i] = truncate_top(result.logprobs, top)
+            added.append((s.logprobs_column, pa.array(values, LOGPROBS_TYPE)))
+        if s.confidence_column is not None:
+            labels = (s.structured or {}).get("choice") or ()
+            values = [None] * rows
+            for i, result in zip(todo, results):
+                if result.error is None:
+                    values[i] = label_confidence(labels, result.text, result.logprobs)
+            added.append((s.confidence_column, pa.array(values, pa.float64())))
+        return added
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         # which block this is, for isolating poison rows (a user's own pipeline may have no
@@ -185,6 +243,8 @@ class Predictor:
         if expand:
             batch = batch.append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
         rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
+        for name, values in self._scores(todo, results, overrides, rows):
+            batch = batch.append_column(name, values)
         release_free_memory()
         return (batch
                 .append_column(columns.REPLICA, rows_of(self.replica, pa.string()))

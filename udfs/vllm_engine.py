@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Sequence
 
-from udfs.engine import EngineSpec, GenerationRequest, GenerationResult
+from udfs.engine import EngineSpec, GenerationRequest, GenerationResult, token_logprob
 from udfs.engine import one_line as _one_line
 
 
@@ -28,7 +28,7 @@ def on_cpu() -> bool:
 class VLLMEngine:
     """Options (``spec.options``): max_model_len, dtype, tensor_parallel_size, trust_remote_code,
     kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, multiprocessing, cpu_threads,
-    structured_outputs, args."""
+    structured_outputs, max_logprobs, args."""
 
     def __init__(self, spec: EngineSpec):
         opts = dict(spec.options)
@@ -86,6 +86,8 @@ class VLLMEngine:
             enforce_eager=_default(opts.pop("enforce_eager", None), cpu),
             gpu_memory_utilization=opts.pop("gpu_memory_utilization", 0.9),
             structured_outputs_config=opts.pop("structured_outputs", None),
+            # the most top alternatives a request may ask for (vLLM's default: 20)
+            max_logprobs=opts.pop("max_logprobs", None),
         )
         if kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"] > 1:
             # The replica's actor runs in a placement group of its GPUs (pipelines/resources);
@@ -120,6 +122,11 @@ class VLLMEngine:
             seed=req.seed,
             stop=list(req.stop) or None,
             ignore_eos=req.ignore_eos,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            stop_token_ids=list(req.stop_token_ids) or None,
+            logprobs=req.logprobs,
             structured_outputs=(self._vllm.sampling_params.StructuredOutputsParams(
                 **req.structured) if req.structured else None),
         )
@@ -288,7 +295,7 @@ class _Stepper:
                 for out in llm_engine.step():
                     if out.finished and out.request_id in self.pending:
                         batch, index = self.pending.pop(out.request_id)
-                        result = _result(out)
+                        result = _result(out, batch.requests[index].logprobs)
                         batch.set(index, result)
                         self.requests_done += 1
                         self.tokens_finished += result.completion_tokens
@@ -387,11 +394,29 @@ def _default(value, fallback):
     return fallback if value is None else value
 
 
-def _result(out) -> GenerationResult:
+def _result(out, top: int | None = None) -> GenerationResult:
     completion = out.outputs[0]
     return GenerationResult(
         text=completion.text,
         finish_reason=completion.finish_reason,
         completion_tokens=len(completion.token_ids),
+        logprobs=None if top is None else _logprobs(completion, top),
     )
+
+
+def _logprobs(completion, top: int) -> list[dict]:
+    """vLLM's per-token logprobs (a dict per position: the sampled token and the ``top``
+    most likely, each with its rank) as the engine interface's entries. These are vLLM's
+    default, raw logprobs: before temperature and penalties, but under structured output
+    after the grammar's mask, so a token the grammar forbids has -inf and the allowed
+    ones share all the probability."""
+    entries = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs or ()):
+        chosen = position[token_id]
+        best = sorted((lp for lp in position.items() if lp[1].rank <= top),
+                      key=lambda lp: lp[1].rank)[:top]
+        entries.append(token_logprob(
+            chosen.decoded_token, token_id, chosen.logprob,
+            [token_logprob(lp.decoded_token, tid, lp.logprob) for tid, lp in best]))
+    return entries
 
