@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ from pipelines.write import write_atomically
 from udfs import columns
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# Sampling fields a body may set beside temperature, top_p, n, seed and stop: OpenAI's
+# penalties and vLLM's extensions (udfs/predictor.RowOverrides carries them to the engine).
+EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "ignore_eos", "top_k",
+                  "min_tokens", "repetition_penalty", "stop_token_ids")
 CHUNK = 10_000  # requests per row group of the prepared table: memory stays flat
 
 # Columns of the prepared table of requests.
@@ -49,11 +54,18 @@ SCHEMA = pa.schema([(CUSTOM_ID, pa.string()), (LINE, pa.int64()), (KIND, pa.stri
                     (MODEL, pa.string())])
 
 
-class _Body(BaseModel):
-    """The part of a request body overnight honours; other OpenAI fields are accepted and
-    ignored (logprobs, user, ...), as a different server would."""
+# Body fields that change nothing overnight writes: accepted and ignored. Any field not
+# here and not a field of _Body is that request's error, never silently dropped (a body
+# with ignore_eos: true once ran as if it had not asked).
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "safety_identifier",
+                  "prompt_cache_key", "parallel_tool_calls", "stream_options"}
 
-    model_config = ConfigDict(extra="allow")
+
+class _Body(BaseModel):
+    """The request body fields overnight honours: OpenAI's, and vLLM's extra sampling
+    parameters as vLLM's own run_batch takes them."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[str] | None = None
@@ -66,12 +78,47 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
     stream: bool | None = None
+    # chat: true/false, with top_logprobs; completions: the number of alternatives
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # vLLM's extensions
+    ignore_eos: bool | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data):
+        return {k: v for k, v in data.items() if k not in IGNORED_FIELDS} \
+            if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _checks(self) -> _Body:
         if self.stream:
             raise ValueError("stream: true is not supported in a batch")
         return self
+
+    def top_logprobs_of(self, kind: str) -> int | None:
+        """The logprobs this request asks for, as top alternatives per token (None: none);
+        raises _Reject for a shape its endpoint does not take."""
+        if kind == "chat":
+            if self.logprobs is not None and not isinstance(self.logprobs, bool):
+                raise _Reject("invalid_body", "body.logprobs must be true or false for "
+                              "/v1/chat/completions (top_logprobs says how many)")
+            if self.top_logprobs is not None and not self.logprobs:
+                raise _Reject("invalid_body", "body.top_logprobs needs body.logprobs: true")
+            return (self.top_logprobs or 0) if self.logprobs else None
+        if self.top_logprobs is not None:
+            raise _Reject("invalid_body", "body.top_logprobs is for /v1/chat/completions; "
+                          "/v1/completions takes body.logprobs: N")
+        if isinstance(self.logprobs, bool) or not 0 <= (self.logprobs or 0) <= 20:
+            raise _Reject("invalid_body", "body.logprobs must be an integer from 0 to 20 "
+                          "for /v1/completions")
+        return self.logprobs
 
 
 class _Line(BaseModel):
@@ -144,6 +191,9 @@ def _parse(data: dict, default_max_tokens: int, max_model_len: int) -> dict:
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            raise _Reject("invalid_body", f"body.{key}: not supported by overnight, which "
+                          "would have to ignore it; remove it") from None
         raise _Reject("invalid_body", f"body.{key}: {first['msg']}") from None
     if kind == "chat":
         if not body.messages:
@@ -163,8 +213,9 @@ def _parse(data: dict, default_max_tokens: int, max_model_len: int) -> dict:
     if max_tokens >= max_model_len:
         raise _Reject("invalid_body", f"max_tokens {max_tokens} leaves no room for a prompt "
                       f"in max_model_len {max_model_len}")
-    overrides: dict = {}
-    for key in ("temperature", "top_p", "n", "seed"):
+    # every request says whether it wants logprobs (null: no), over the job's default
+    overrides: dict = {"logprobs": body.top_logprobs_of(kind)}
+    for key in ("temperature", "top_p", "n", "seed", *EXTRA_SAMPLING):
         if getattr(body, key) is not None:
             overrides[key] = getattr(body, key)
     if body.stop is not None:
@@ -268,7 +319,8 @@ def batch_config(prepared: Prepared, output: Path, model: str, base: dict | None
     sampling.update({"max_tokens": prepared.max_tokens, "max_tokens_column": MAX_TOKENS,
                      "overrides_column": OVERRIDES})
     sampling.setdefault("temperature", 1.0)  # the OpenAI default
-    raw["output"] = {"path": str(output), "column": "text"}
+    # the logprobs column is there for the requests that ask (each row says; null: not)
+    raw["output"] = {"path": str(output), "column": "text", "logprobs": 0}
     return load_config(apply_overrides(raw, overrides))
 
 
@@ -327,7 +379,8 @@ def _result_line(samples: list[dict], model: str, created: int) -> dict:
         return _error_line(line, custom_id, failed[columns.ERROR_KIND], failed[columns.ERROR])
     chat = first[KIND] == "chat"
     choices = [
-        {"index": i, "finish_reason": s[columns.FINISH_REASON], "logprobs": None,
+        {"index": i, "finish_reason": s[columns.FINISH_REASON],
+         "logprobs": _openai_logprobs(s.get(LOGPROBS), chat),
          **({"message": {"role": "assistant", "content": s["text"]}} if chat
             else {"text": s["text"]})}
         for i, s in enumerate(samples)]
@@ -342,6 +395,37 @@ def _result_line(samples: list[dict], model: str, created: int) -> dict:
             "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
                          "body": body},
             "error": None}
+
+
+LOGPROBS = "logprobs"  # the job's logprobs column (output.logprobs_column's default)
+
+
+def _openai_logprobs(entries: list[dict] | None, chat: bool) -> dict | None:
+    """A sample's logprobs column in the OpenAI shape of its endpoint. -inf (a token the
+    grammar forbids) is -9999.0, as vLLM's server writes it: JSON has no infinity."""
+    if entries is None:
+        return None
+
+    def floor(logprob: float) -> float:
+        return -9999.0 if logprob is None or math.isnan(logprob) else max(logprob, -9999.0)
+
+    if chat:
+        def item(entry: dict) -> dict:
+            token = entry["token"] or ""
+            return {"token": token, "logprob": floor(entry["logprob"]),
+                    "bytes": list(token.encode("utf-8", errors="replace"))}
+
+        return {"content": [{**item(e), "top_logprobs": [item(t) for t in e["top"] or ()]}
+                            for e in entries], "refusal": None}
+    offsets, at = [], 0
+    for entry in entries:
+        offsets.append(at)
+        at += len(entry["token"] or "")
+    return {"tokens": [e["token"] or "" for e in entries],
+            "token_logprobs": [floor(e["logprob"]) for e in entries],
+            "top_logprobs": [{t["token"] or "": floor(t["logprob"]) for t in e["top"] or ()}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def run_batch_file(requests: str | Path, results: str | Path, *, model: str,

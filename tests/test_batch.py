@@ -236,3 +236,114 @@ def test_a_file_is_run_again_for_another_model_and_never_answered_from_old_parts
                             overwrite=True)
     assert (counts["results"], counts["errors"]) == (0, 1)
     assert results.read_text() == ""
+
+
+# Logprobs and vLLM's extra sampling parameters (issue #20): honoured, or the request's error
+MESSAGES = chat("x", "Name a colour.")["body"]["messages"]
+PENALTIES = {"repetition_penalty": 2.0, "presence_penalty": 1.5, "frequency_penalty": 1.5,
+             "top_k": 5, "min_tokens": 2}
+UNSUPPORTED = {
+    "logit-bias": (chat("logit-bias", "hi", max_tokens=4, logit_bias={"50": 10}),
+                   "body.logit_bias: not supported"),
+    "chat-int-logprobs": (chat("chat-int-logprobs", "hi", max_tokens=4, logprobs=2),
+                          "body.logprobs must be true or false"),
+    "comp-top-logprobs": (completion("comp-top-logprobs", "hi", max_tokens=4,
+                                     top_logprobs=2), "body.top_logprobs is for"),
+    "top-without-logprobs": (chat("top-without-logprobs", "hi", max_tokens=4,
+                                  top_logprobs=2), "needs body.logprobs: true"),
+    "tools": (chat("tools", "hi", max_tokens=4, tools=[{"type": "function"}]),
+              "body.tools: not supported"),
+}
+BOX = {"type": "json_schema", "json_schema": {"name": "k", "schema": {
+    "type": "object", "properties": {"k": {"enum": ["x"]}}, "required": ["k"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="session")
+def scored_batch(tiny_model, ray_cluster, tmp_path_factory, llm):
+    """One file: logprobs on both endpoints, the extra parameters, and bodies overnight
+    cannot honour. stop_token_ids names the third token greedy decoding gives the prompt."""
+    import vllm
+
+    greedy = llm.chat(MESSAGES, vllm.SamplingParams(temperature=0.0, max_tokens=8),
+                      use_tqdm=False)[0].outputs[0]
+    stop_id = greedy.token_ids[2]
+    lines = [chat("lp-chat", "Name a colour.", max_tokens=6, temperature=0, logprobs=True,
+                  top_logprobs=2, user="someone", metadata={"k": "v"}),
+             completion("lp-comp", "Once upon a time", max_tokens=6, temperature=0, logprobs=2),
+             chat("penalised", "Name a colour.", max_tokens=8, temperature=0, **PENALTIES),
+             chat("stopped", "Name a colour.", max_tokens=8, temperature=0,
+                  stop_token_ids=[stop_id]),
+             chat("json-eos", "A box.", max_tokens=24, temperature=0, response_format=BOX),
+             chat("json-ignore-eos", "A box.", max_tokens=24, temperature=0,
+                  response_format=BOX, ignore_eos=True),
+             *(line for line, _ in UNSUPPORTED.values())]
+    root = tmp_path_factory.mktemp("scored")
+    (root / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_batch_file(root / "requests.jsonl", root / "results.jsonl", model=tiny_model,
+                   overrides=SETTINGS)
+    results = {r["custom_id"]: r["response"]["body"] for r in
+               map(json.loads, (root / "results.jsonl").read_text().splitlines())}
+    errors = {e["custom_id"]: e["error"] for e in
+              map(json.loads, (root / "results.errors.jsonl").read_text().splitlines())}
+    return results, errors, greedy, stop_id
+
+
+def test_logprobs_in_the_openai_shapes_equal_vllms(scored_batch, llm):
+    import vllm
+    from openai.types.chat import ChatCompletion
+    from openai.types.completion import Completion
+
+    results, _, _, _ = scored_batch
+    chat_body = ChatCompletion.model_validate(results["lp-chat"])  # the official shapes
+    comp_body = Completion.model_validate(results["lp-comp"])
+    theirs = llm.chat(MESSAGES, vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
+                      use_tqdm=False)[0].outputs[0]
+    content = chat_body.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat_body.choices[0].message.content
+    assert len(content) == len(theirs.token_ids)
+    for ours, token_id, position in zip(content, theirs.token_ids, theirs.logprobs):
+        assert ours.token == position[token_id].decoded_token
+        assert ours.bytes == list(ours.token.encode())
+        assert ours.logprob == pytest.approx(position[token_id].logprob, abs=1e-5)
+        best = sorted(position.values(), key=lambda lp: lp.rank)[:2]
+        assert [t.token for t in ours.top_logprobs] == [lp.decoded_token for lp in best]
+        assert [t.logprob for t in ours.top_logprobs] == pytest.approx(
+            [lp.logprob for lp in best], abs=1e-5)
+    theirs = llm.generate(["Once upon a time"], vllm.SamplingParams(
+        temperature=0.0, max_tokens=6, logprobs=2), use_tqdm=False)[0].outputs[0]
+    lp = comp_body.choices[0].logprobs
+    assert lp.tokens == [p[t].decoded_token for t, p in zip(theirs.token_ids, theirs.logprobs)]
+    assert lp.token_logprobs == pytest.approx(
+        [p[t].logprob for t, p in zip(theirs.token_ids, theirs.logprobs)], abs=1e-5)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert results["penalised"]["choices"][0]["logprobs"] is None  # not asked for
+
+
+def test_vllms_extra_sampling_parameters_are_honoured(scored_batch, llm):
+    import vllm
+
+    results, _, greedy, stop_id = scored_batch
+    penalised = llm.chat(MESSAGES, vllm.SamplingParams(temperature=0.0, max_tokens=8,
+                                                       **PENALTIES), use_tqdm=False)
+    text = results["penalised"]["choices"][0]["message"]["content"]
+    assert text == penalised[0].outputs[0].text != greedy.text  # they changed the output
+    stopped = results["stopped"]
+    assert stopped["usage"]["completion_tokens"] == 3  # the stop token is the third
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    # the grammar ends the JSON with EOS; ignore_eos runs on to max_tokens
+    ended, ignored = results["json-eos"], results["json-ignore-eos"]
+    assert ended["choices"][0]["finish_reason"] == "stop"
+    assert ended["usage"]["completion_tokens"] < 24
+    assert ignored["usage"]["completion_tokens"] == 24
+    assert ignored["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_parameter_overnight_cannot_honour_is_that_requests_error(scored_batch):
+    results, errors, _, _ = scored_batch
+    assert set(errors) == set(UNSUPPORTED)
+    for custom_id, (_, message) in UNSUPPORTED.items():
+        assert errors[custom_id]["code"] == "invalid_body"
+        assert message in errors[custom_id]["message"], errors[custom_id]
+    assert "lp-chat" in results  # user and metadata change nothing: accepted
