@@ -118,6 +118,9 @@ class PromptConfig(_Strict):
         "messages, a list of {role, content} (or that list as a JSON string), for "
         "conversations assembled upstream; a plain string there is a raw prompt, sent "
         "without the chat template.")
+    pair_template: str | None = Field(
+        None, description="task: score: the second text of each pair (the document; "
+        "template is the query), a Jinja template over the row's columns.")
     system: str | None = Field(None, description="System message (chat models).")
     chat: bool = Field(True, description="Apply the model's chat template when it has one.")
     on_too_long: Literal["error", "skip", "truncate"] = Field(
@@ -186,6 +189,15 @@ class OutputConfig(_Strict):
     column: str = Field("generated", description="Name of the generated-text column.")
     parsed_column: str = Field(
         "parsed", description="With structured.json_schema: the struct column of parsed values.")
+    normalize: bool = Field(
+        True, description="task: embed: L2-normalize each vector (vLLM's default); false: "
+        "the model's pooled output as it is.")
+    dimensions: int | None = Field(
+        None, gt=0, description="task: embed: a Matryoshka model's shorter vectors, of this "
+        "length; default: the model's own.")
+    labels: list[str] | None = Field(
+        None, min_length=1, description="task: classify: names for the model's outputs, in "
+        "order; default: the model's id2label. Each label has a column prob_<label>.")
     dedupe: bool = Field(
         False, description="Drop a sample whose text repeats an earlier sample of the same "
         "input row (with sampling.n > 1); the summary says how many.")
@@ -229,7 +241,16 @@ class ReportConfig(_Strict):
         "same tokens would have cost there (no built-in price list: it would go stale).")
 
 
+POOLING_TASKS = ("embed", "score", "classify")
+# the output column a task writes unless output.column names another
+DEFAULT_COLUMN = {"embed": "embedding", "score": "score", "classify": "label"}
+
+
 class JobConfig(_Strict):
+    task: Literal["generate", "embed", "score", "classify"] = Field(
+        "generate", description="generate: text from a prompt; embed: a vector per row; "
+        "score: a float per pair of texts (a cross-encoder or reward model); classify: the "
+        "top label and a probability per label (a sequence-classification model).")
     input: InputConfig
     model: ModelConfig
     prompt: PromptConfig
@@ -246,6 +267,51 @@ class JobConfig(_Strict):
         if isinstance(raw, dict) and isinstance(raw.get("engine"), dict):
             raw = {**raw, "engine": {"kind": "vllm", **raw["engine"]}}
         return raw
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_names_its_column(cls, raw):
+        task = raw.get("task") if isinstance(raw, dict) else None
+        output = raw.get("output") if isinstance(raw, dict) else None
+        if task in DEFAULT_COLUMN and isinstance(output, dict) and "column" not in output:
+            raw = {**raw, "output": {**output, "column": DEFAULT_COLUMN[task]}}
+        return raw
+
+    @model_validator(mode="after")
+    def _pooling_settings_apply(self) -> JobConfig:
+        """Settings that cannot apply to the task: one line naming the first, not ignored."""
+        task = self.task
+        wrong = []
+        if task != "generate":
+            wrong += [f"sampling.{k}" for k in sorted(self.sampling.model_fields_set)]
+            wrong += ["structured"] * (self.structured is not None)
+            wrong += [f"output.{k}" for k in ("parsed_column", "dedupe", "logprobs",
+                                               "logprobs_column", "confidence_column")
+                      if k in self.output.model_fields_set]
+            wrong += [f"prompt.{k}" for k in ("messages_column", "system")
+                      if getattr(self.prompt, k) is not None]
+        if task != "score" and self.prompt.pair_template is not None:
+            wrong.append("prompt.pair_template")
+        if task != "embed":
+            wrong += [f"output.{k}" for k in ("normalize", "dimensions")
+                      if k in self.output.model_fields_set]
+        if task != "classify" and self.output.labels is not None:
+            wrong.append("output.labels")
+        if wrong:
+            what = ("no text is generated" if task != "generate"
+                    else "it is for another task")
+            raise ValueError(f"{wrong[0]} does not apply to task: {task} ({what}); remove it")
+        if task == "score" and self.prompt.pair_template is None:
+            raise ValueError("task: score needs prompt.pair_template (the document side; "
+                             "prompt.template is the query side)")
+        if task != "generate" and self.engine.kind == "http" and (
+                self.engine.endpoint == "chat" or task == "score"
+                and self.prompt.on_too_long == "truncate"):
+            key = ("engine.endpoint: chat" if self.engine.endpoint == "chat"
+                   else "prompt.on_too_long: truncate")
+            raise ValueError(f"{key} does not apply to task: {task} through a server (it "
+                             "pools token ids, and tokenizes a pair itself); remove it")
+        return self
 
     @model_validator(mode="after")
     def _truncation_needs_tokens(self) -> JobConfig:
@@ -286,6 +352,8 @@ class JobConfig(_Strict):
 
     def generated_columns(self) -> list[str]:
         """The columns the job adds to every source row, in output order."""
+        if self.task != "generate":
+            return self._pooling_columns()
         added = [self.output.column, *columns.GENERATED]
         if self.structured is not None and self.structured.json_schema is not None:
             added.insert(1, self.output.parsed_column)
@@ -294,6 +362,17 @@ class JobConfig(_Strict):
                 added.insert(added.index(columns.FINISH_REASON), scores)
         if self.sampling.n > 1 or self.sampling.overrides_column:
             added.insert(0, columns.SAMPLE_INDEX)
+        if self.input.id_column is None:
+            added.insert(0, columns.ROW_ID)
+        return added
+
+
+    def _pooling_columns(self) -> list[str]:
+        """embed and score: one column; classify: the top label, then prob_<label> per label
+        (output.labels, which pre-flight fills in from the model when not set)."""
+        added = [self.output.column, *columns.GENERATED]
+        if self.task == "classify":
+            added[1:1] = [columns.PROBABILITY_PREFIX + label for label in self.output.labels or ()]
         if self.input.id_column is None:
             added.insert(0, columns.ROW_ID)
         return added

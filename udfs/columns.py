@@ -47,3 +47,10 @@ class ErrorKind:
 
 class FinishReason:
     SKIPPED = "skipped"  # on_too_long: skip
+
+# task: score (udfs/pooler.py): where the document starts in the pair's token ids (for token
+# types), and the two rendered texts as JSON (for a server that tokenizes pairs itself)
+PAIR_START = "__overnight_pair_start"
+PAIR_TEXTS = "__overnight_pair_texts"
+# task: classify: the probability column of each label is this prefix and the label
+PROBABILITY_PREFIX = "prob_"

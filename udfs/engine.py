@@ -3,6 +3,9 @@
 An engine is built inside the actor from a small picklable spec, generates a list of requests
 (returning one result per request, in order, never raising for one bad request), and is closed
 explicitly. Implementations are chosen by the spec's ``kind`` through ``ENGINES``.
+
+A pooling engine (``task: embed | score | classify``) has ``pool`` instead of ``generate``:
+one forward pass per request, a vector or a few floats back.
 """
 
 from __future__ import annotations
@@ -73,6 +76,39 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class PoolingRequest:
+    """One row for a pooling model (``task: embed | score | classify``): one forward pass over
+    its tokens, no sampling."""
+
+    task: str  # "embed" | "score" | "classify"
+    prompt_token_ids: list[int]
+    # score: where the second text (the document) starts in prompt_token_ids, for models
+    # that tell the two apart by token type (BERT cross-encoders); None: one segment
+    pair_start: int | None = None
+    # score: the two texts as rendered, for an engine that tokenizes pairs itself (a server)
+    texts: tuple[str, str] | None = None
+    normalize: bool | None = None  # embed: L2-normalize (None: the model's default)
+    dimensions: int | None = None  # embed: a Matryoshka model's shorter vector
+
+
+@dataclass(frozen=True)
+class PoolingResult:
+    """embed: the vector; classify: one probability per label; score: one value."""
+
+    values: list[float] | None
+    error: str | None = None
+    error_kind: str | None = None
+
+
+class PoolingEngine(Protocol):
+    def pool(self, requests: Sequence[PoolingRequest]) -> list[PoolingResult]:
+        """One result per request, in order. A failing request yields a result with ``error``."""
+        ...
+
+    def close(self) -> None: ...
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as one line, ``Type: message``, for a row's error or a death's cause."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -82,7 +118,8 @@ def one_line(exc: BaseException) -> str:
 # kind -> "module:Class"; imported only when an engine of that kind is built.
 ENGINES = {
     "vllm": "udfs.vllm_engine:VLLMEngine",
-    "http": "udfs.http_engine:HTTPEngine",
+    "http": "udfs.http_engine:HTTPEngine",  # generates and pools (task: embed...) alike
+    "vllm_pooling": "udfs.pooling_engine:VLLMPoolingEngine",
 }
 
 

@@ -108,9 +108,15 @@ class VLLMEngine:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         self.llm = None
         # On CPU the stepper thread builds the engine as well as running it: see _Stepper
-        self._stepper = _Stepper(self, build=lambda: vllm.LLM(**kwargs), build_there=cpu)
+        self._stepper = self.stepper_class()(self, build=lambda: vllm.LLM(**kwargs),
+                                             build_there=cpu)
         # what the engine computes in, as the run report names it
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+    @staticmethod
+    def stepper_class() -> type[_Stepper]:
+        """The thread that runs the engine (udfs/pooling_engine.py has its own)."""
+        return _Stepper
 
     def _sampling_params(self, req: GenerationRequest):
         return self._vllm.SamplingParams(
@@ -239,6 +245,10 @@ class _Stepper:
         if self.broken is not None:  # the engine did not build: the constructor says why
             raise self.broken
 
+    def slots(self, llm_engine) -> int:
+        """Requests held in the engine at once: one per sequence it runs."""
+        return llm_engine.vllm_config.scheduler_config.max_num_seqs
+
     def stalled_for(self) -> float:
         """Seconds since the last step finished while requests are unfinished (0 when idle)."""
         since = self.busy_since
@@ -278,7 +288,7 @@ class _Stepper:
         if self.broken is not None:
             return
         llm_engine = self.engine.llm.llm_engine
-        slots = llm_engine.vllm_config.scheduler_config.max_num_seqs
+        slots = self.slots(llm_engine)
         try:
             while not self.stopping:
                 while not self.inbox.empty():
@@ -294,12 +304,7 @@ class _Stepper:
                     self.busy_since = time.monotonic()
                 for out in llm_engine.step():
                     if out.finished and out.request_id in self.pending:
-                        batch, index = self.pending.pop(out.request_id)
-                        result = _result(out, batch.requests[index].logprobs)
-                        batch.set(index, result)
-                        self.requests_done += 1
-                        self.tokens_finished += result.completion_tokens
-                        self.cap_finished += batch.requests[index].max_tokens
+                        self._finish(*self.pending.pop(out.request_id), out)
                 self._count_live(llm_engine)
                 self.steps += 1
                 self.busy_since = time.monotonic()
@@ -310,6 +315,14 @@ class _Stepper:
             for batch in self.waiting.batches():
                 batch.fail(exc)
             _fail_all(self.inbox, exc)
+
+    def _finish(self, batch: _Batch, index: int, out) -> None:
+        """A request's final output: its result to its batch, its counts to the progress."""
+        result = _result(out, batch.requests[index].logprobs)
+        batch.set(index, result)
+        self.requests_done += 1
+        self.tokens_finished += result.completion_tokens
+        self.cap_finished += batch.requests[index].max_tokens
 
     def _count_live(self, llm_engine) -> None:
         """Tokens generated so far: those of finished requests, plus what the unfinished
@@ -357,8 +370,9 @@ class _Waiting:
         self._heap: list[tuple[int, int, _Batch, int]] = []
         self._arrivals = itertools.count()
 
-    def push(self, batch: _Batch, index: int, step: int) -> None:
-        key = step - batch.requests[index].max_tokens
+    def push(self, batch: _Batch, index: int, step: int, steps: int | None = None) -> None:
+        """``steps``: what the request may take (default: its max_tokens)."""
+        key = step - (batch.requests[index].max_tokens if steps is None else steps)
         heapq.heappush(self._heap, (key, next(self._arrivals), batch, index))
 
     def pop(self) -> tuple[_Batch, int]:
