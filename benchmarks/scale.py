@@ -319,6 +319,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=None,
                     help="rows per block (default: the job's default, 256)")
+    ap.add_argument("--note", default="", help="kept with the results: which code, which machine")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "scale.json"))
     args = ap.parse_args()
     arms = args.only or ARMS

@@ -431,7 +431,9 @@ def report_memory(args, memory: dict) -> dict:
 
 def write(args, result: dict) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), **result}, indent=2))
+    # the machine's load when the run ended: on a shared machine, how much to trust it
+    Path(args.out).write_text(json.dumps({"args": vars(args), "load_average_1_5_15_min":
+                                          os.getloadavg(), **result}, indent=2))
     print(f"wrote {args.out}")
 
 
