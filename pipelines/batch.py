@@ -33,10 +33,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipelines import batch_embeddings as embeddings
 from pipelines.config import JobConfig, apply_overrides, load_config
 from pipelines.errors import ConfigError, InputError, OutputError
-from pipelines.storage import scrub_record
-from pipelines.write import write_atomically
+from pipelines.storage import Location, scrub_record
+from pipelines.write import list_parts, write_atomically
 from udfs import columns
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -136,6 +137,7 @@ class Prepared:
     requests: int
     rejected: int
     max_tokens: int  # the largest a request asks for: the job's cap
+    task: str = "generate"  # or "embed": a file of /v1/embeddings lines
 
 
 def _error_line(line: int, custom_id, code: str, message: str) -> dict:
@@ -182,10 +184,13 @@ def _parse(data: dict, default_max_tokens: int, max_model_len: int) -> dict:
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"]) or "(line)"
         raise _Reject("invalid_request", f"{key}: {first['msg']}") from None
+    if line.url == embeddings.URL:  # pipelines/batch_embeddings.py
+        fields = embeddings.parse_body(line.body, lambda m: _Reject("invalid_body", m))
+        return {CUSTOM_ID: line.custom_id, KIND: embeddings.KIND, MAX_TOKENS: 0, **fields}
     kind = URLS.get(line.url)
     if kind is None:
         raise _Reject("invalid_url", f"url {line.url!r} is not supported; use one of "
-                      + ", ".join(URLS))
+                      + ", ".join([*URLS, embeddings.URL]))
     try:
         body = _Body.model_validate(line.body)
     except ValidationError as err:
@@ -265,6 +270,7 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
     seen: set[str] = set()
     rows: list[dict] = []
     count = rejected = top = 0
+    family = None  # embeddings, or chat/completions: the first runnable line's
     tmp_table = work / ".requests.parquet.tmp"
     with pq.ParquetWriter(tmp_table, SCHEMA) as writer, \
             open(work / ".rejected.jsonl.tmp", "w", encoding="utf-8") as bad:
@@ -280,6 +286,11 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
                                       "was used by an earlier line, which runs; this one "
                                       "does not")
                         exc.custom_id, row = row[CUSTOM_ID], None
+                    elif family is not None and _family(row[KIND]) != family:
+                        exc = _Reject("invalid_url", f"{family} and other requests cannot "
+                                      "share a file (a batch has one endpoint, as the Batch "
+                                      "API's); put these lines in a file of their own")
+                        exc.custom_id, row = row[CUSTOM_ID], None
                 except UnicodeDecodeError:
                     row, exc = None, _Reject("invalid_json", "not valid UTF-8")
                 except _Reject as caught:
@@ -290,6 +301,7 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
                     rejected += 1
                     continue
                 seen.add(row[CUSTOM_ID])
+                family = family or _family(row[KIND])
                 rows.append({**row, LINE: number})
                 top = max(top, row[MAX_TOKENS])
                 count += 1
@@ -300,7 +312,25 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
             writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
     os.replace(tmp_table, table)
     os.replace(work / ".rejected.jsonl.tmp", errors)
-    return Prepared(table, errors, count, rejected, top or default_max_tokens)
+    return Prepared(table, errors, count, rejected, top or default_max_tokens,
+                    task="embed" if family == embeddings.KIND else "generate")
+
+
+def _family(kind: str) -> str:
+    return embeddings.KIND if kind == embeddings.KIND else "chat/completions"
+
+
+def embeddings_config(prepared: Prepared, output: Path, model: str, base: dict | None,
+                      overrides: list[str]) -> JobConfig:
+    """The embed job over a file of /v1/embeddings lines: one row per input."""
+    raw = base or {}
+    for section in ("input", "prompt", "output", "structured", "sampling"):
+        if section in raw:
+            raise ConfigError(f"batch: the config's {section!r} section is set by the batch "
+                              "file; remove it")
+    table = embeddings.explode(prepared.table, prepared.table.with_name("inputs.parquet"))
+    return load_config(apply_overrides(embeddings.job_raw(table, output, model, raw),
+                                       overrides))
 
 
 def batch_config(prepared: Prepared, output: Path, model: str, base: dict | None,
@@ -335,8 +365,8 @@ def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
     def write_ok(tmp: Path) -> None:
         nonlocal ok, failed
         with open(tmp, "w", encoding="utf-8") as out, open(failures, "w") as fail:
-            for part in sorted(job_output.glob("*.parquet")):
-                for request in _requests(pq.read_table(part)):
+            for part in list_parts(Location.of(job_output))[0]:  # in input order
+                for request in _requests(pq.read_table(job_output / part.name)):
                     line = _result_line(request, model, created)
                     target = out if line["error"] is None else fail
                     target.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -377,6 +407,13 @@ def _result_line(samples: list[dict], model: str, created: int) -> dict:
     failed = next((s for s in samples if s[columns.ERROR] is not None), None)
     if failed is not None:
         return _error_line(line, custom_id, failed[columns.ERROR_KIND], failed[columns.ERROR])
+    if first[KIND] == embeddings.KIND:
+        body = {"id": _id("embd", custom_id, line), "created": created,
+                **embeddings.result_body(samples, model, sum(s[columns.PROMPT_TOKENS] or 0
+                                                             for s in samples))}
+        return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id,
+                "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
+                             "body": body}, "error": None}
     chat = first[KIND] == "chat"
     choices = [
         {"index": i, "finish_reason": s[columns.FINISH_REASON],
@@ -480,7 +517,8 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     job_output = work / "output"
     summary = None
     if prepared.requests:
-        job = batch_config(prepared, job_output, model, base, [])
+        job = (embeddings_config if prepared.task == "embed" else batch_config)(
+            prepared, job_output, model, base, [])
         record = OutputStore(str(job_output)).read_record() or {}
         if overwrite or not unchanged:  # a new request file (or asked for): start over
             summary = run_job(job, overwrite=True, progress=progress)

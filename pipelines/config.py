@@ -211,6 +211,9 @@ class OutputConfig(_Strict):
         "confidence", description="With structured.choice: a column with the probability "
         "of the chosen label among the allowed labels, read from the same generation's "
         "logprobs; null for none.")
+    file_size_mb: float = Field(
+        128, gt=0, description="The finished output's files are about this size (MiB on "
+        "disk), in input order: the job's parts are compacted into them at the end.")
 
 
 class ResourcesConfig(_Strict):
@@ -283,7 +286,9 @@ class JobConfig(_Strict):
         task = self.task
         wrong = []
         if task != "generate":
-            wrong += [f"sampling.{k}" for k in sorted(self.sampling.model_fields_set)]
+            # (embed: a row's own dimensions may come from sampling.overrides_column)
+            wrong += [f"sampling.{k}" for k in sorted(self.sampling.model_fields_set)
+                      if not (task == "embed" and k == "overrides_column")]
             wrong += ["structured"] * (self.structured is not None)
             wrong += [f"output.{k}" for k in ("parsed_column", "dedupe", "logprobs",
                                                "logprobs_column", "confidence_column")
@@ -372,7 +377,8 @@ class JobConfig(_Strict):
         (output.labels, which pre-flight fills in from the model when not set)."""
         added = [self.output.column, *columns.GENERATED]
         if self.task == "classify":
-            added[1:1] = [columns.PROBABILITY_PREFIX + label for label in self.output.labels or ()]
+            added[1:1] = [columns.PROBABILITY_PREFIX + label
+                          for label in self.output.labels or ()]
         if self.input.id_column is None:
             added.insert(0, columns.ROW_ID)
         return added

@@ -20,7 +20,8 @@ from pipelines.report import build_report, write_report
 from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
 from pipelines.storage import scrub_record
 from pipelines.watchdog import watch
-from pipelines.write import OutputStore, PartLayout, PartWriter, part_name, summarize_part
+from pipelines.compact import compact
+from pipelines.write import OutputStore, PartLayout, PartWriter, RetryWriter
 from udfs import columns
 from udfs.columns import ErrorKind
 from udfs.parsers import OutputParser
@@ -125,9 +126,13 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                                                    "output_column": plan.config.output.column},
                             batch_format="pyarrow", batch_size=None,
                             num_cpus=LIGHT_STAGE_CPUS, compute=_pool(1))
-    return ds.map_batches(PartWriter, fn_constructor_kwargs={"layout": layout},
-                          batch_format="pyarrow", batch_size=None,
-                          num_cpus=LIGHT_STAGE_CPUS, compute=_pool(1))
+    # Parts are written as they come, by a pool of writers as large as the engines' (a
+    # re-run of rows with errors merges each block whole: one writer)
+    retry = layout.merge_from is not None
+    return ds.map_batches(RetryWriter if retry else PartWriter,
+                          fn_constructor_kwargs={"layout": layout},
+                          batch_format="pyarrow", batch_size=None, num_cpus=LIGHT_STAGE_CPUS,
+                          compute=_pool(1 if retry else replicas.replicas))
 
 
 def _pool(size: int, concurrent_blocks: int = 1):
@@ -152,13 +157,16 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     planned = time.time()
     store = OutputStore(config.output.path)
     key_column = config.input.id_column or columns.ROW_ID
+    block_starts = tuple(b.ordinal for b in plan.input.blocks)
     try:
         if retry_errors:
-            only_rows, done = store.open_retry(plan.fingerprint, key_column), set()
+            only_rows, done = store.open_retry(plan.fingerprint, key_column, block_starts,
+                                               plan.input.num_rows), set()
             todo = sum(len(rows) for rows in only_rows.values())
         else:
             only_rows, done = None, store.open(plan.fingerprint, overwrite=overwrite,
-                                               rows_total=plan.input.num_rows)
+                                               rows_total=plan.input.num_rows,
+                                               block_starts=block_starts)
             todo = sum(b.num_rows for b in plan.input.blocks if b.ordinal not in done)
     except OSError as exc:  # permissions, a full disk, an object store refusing
         raise OutputError(f"output.path {str(store.path)!r}: cannot write there: "
@@ -167,13 +175,14 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         staging=store.staging,
         source_columns=tuple(plan.input.schema.names),
         added_columns=tuple(plan.config.generated_columns()),  # with a classifier's labels
-        block_starts=tuple(b.ordinal for b in plan.input.blocks),
+        block_starts=block_starts,
         block_rows=tuple(len(only_rows.get(b.ordinal, ())) if retry_errors else b.num_rows
                          for b in plan.input.blocks),
         merge_from=store.path if retry_errors else None,
         key_column=key_column,
         text_column=config.output.column,
         dedupe=config.output.dedupe,
+        rows_total=plan.input.num_rows,
     )
     progress = progress or Progress(total=0, enabled=False)
     already = 0 if retry_errors else plan.input.num_rows - todo
@@ -205,13 +214,18 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
                              "the traceback)") from exc
         recovery = health.close()
         samples = health.samples
-    progress.finish()
-    written = store.done_blocks()
-    missing = [b.ordinal for b in plan.input.blocks if b.ordinal not in written]
-    if missing:  # never commit an output with a hole in it
-        raise JobError(f"{len(missing)} block(s) were not written (first: rows from "
-                       f"{missing[0]}); the parts written are kept: run again to resume")
-    summary = summarize_staged(store, key_column)
+        progress.finish()
+        written = store.done_blocks(block_starts, plan.input.num_rows)
+        missing = [start for start in block_starts if start not in written]
+        if missing:  # never commit an output with a hole in it
+            raise JobError(f"{len(missing)} block(s) were not written (first: rows from "
+                           f"{missing[0]}); the parts written are kept: run again to resume")
+        # the parts into files of output.file_size_mb, on the cluster (pipelines/compact.py)
+        stats = compact(store.staging, block_starts, plan.input.num_rows,
+                        int(config.output.file_size_mb * (1 << 20)), key_column)
+    summary = RunSummary(output=str(store.path))
+    for file in stats:
+        summary.add_part(file)
     summary.structured = plan.structured is not None
     summary.rows_total = plan.input.num_rows
     if config.output.dedupe:  # every input row was written with n samples, less duplicates
@@ -230,7 +244,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         raise OutputError(f"output.path {str(store.path)!r}: cannot commit the output: "
                           f"{' '.join(str(exc).split())[:300]} (the parts written are kept: "
                           "run the same command again)") from None
-    summary.report = build_report(store.path, record, parts=parts, samples=samples, timings={
+    summary.report = build_report(store.path, record, parts=parts, samples=samples,
+                                  stats=stats, timings={
         "started": started, "planned": planned, "ray_ready": ray_ready,
         "finished": time.time()})
     summary.report_path = str(write_report(store.path, summary.report))
@@ -281,14 +296,6 @@ class _Health:
             return {}
         finally:
             ray.kill(self.actor)
-
-
-def summarize_staged(store: OutputStore, key_column: str) -> RunSummary:
-    """The summary, counted from the parts themselves (a few columns, one part at a time)."""
-    summary = RunSummary(output=str(store.path))
-    for ordinal in sorted(store.done_blocks()):
-        summary.add_part(summarize_part(store.staging / part_name(ordinal), key_column))
-    return summary
 
 
 def _quiet_ray_data(verbose: bool) -> None:

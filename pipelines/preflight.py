@@ -357,7 +357,8 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
         "prompt": config.prompt.model_dump(),
         "model": {**config.model.model_dump(), "max_model_len": max_model_len},
         "sampling": config.sampling.model_dump(),
-        "output": config.output.model_dump(exclude={"path"}),
+        # file_size_mb changes how the output is cut into files, not what it holds
+        "output": config.output.model_dump(exclude={"path", "file_size_mb"}),
         "resources.batch_size": config.resources.batch_size,
         "engine": _engine_fingerprint(config),
     }

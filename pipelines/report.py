@@ -18,10 +18,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
 from pipelines.storage import Location, scrub_record
-from pipelines.write import OutputStore, part_ordinal, read_part
+from pipelines.write import OutputStore, list_parts
 from udfs import columns
 from udfs.columns import FinishReason
 
@@ -34,28 +35,35 @@ def report_path(output: str | Path | Location) -> Location:
 
 
 def build_report(output: str | Path, record: dict, *, timings: dict | None = None,
-                 parts: list[dict] | None = None, samples: list[dict] | None = None) -> dict:
+                 parts: list[dict] | None = None, samples: list[dict] | None = None,
+                 stats: list[dict] | None = None) -> dict:
     """The report of a committed output. ``record`` is the job record (config, fingerprint);
     ``timings`` ({started, planned, ray_ready, finished}, Unix seconds) and ``parts`` (this
     run's part records from the writer) add the time split and the throughput; ``samples``
-    (the replicas' live token counts over time) the throughput over time."""
-    import polars as pl
+    (the replicas' live token counts over time) the throughput over time. ``stats``: each
+    output file's counts (pipelines/compact.py), as the compaction returned them; without
+    them they are counted from the output, a file at a time."""
+    from pipelines.compact import output_stats
 
     config = record.get("config", {})
     key = (config.get("input") or {}).get("id_column") or columns.ROW_ID
     output = Location.of(output)
-    wanted = [key, columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
-              columns.COMPLETION_TOKENS]
-    table = pl.from_arrow(pa.concat_tables(
-        [read_part(output / name, columns=wanted) for name in output.names()
-         if part_ordinal(name) is not None], promote_options="permissive"))
-    kinds = table.filter(pl.col(columns.ERROR_KIND).is_not_null())
-    errors = {
-        kind: {"count": group.height,
-               "examples": [_plain(v) for v in group[key].head(EXAMPLES).to_list()]}
-        for (kind,), group in sorted(kinds.group_by(columns.ERROR_KIND), key=lambda g: g[0])
-    }
-    skipped = table.filter(pl.col(columns.FINISH_REASON) == FinishReason.SKIPPED).height
+    if stats is None:
+        stats = output_stats(output, key)
+    errors: dict[str, dict] = {}
+    for file in stats:
+        for kind, n in json.loads(file["errors"]).items():
+            entry = errors.setdefault(kind, {"count": 0, "examples": []})
+            entry["count"] += n
+            entry["examples"].extend(file["error_examples"].get(kind, []))
+    errors = {kind: {"count": e["count"], "examples": [_plain(v) for v in
+                                                       e["examples"][:EXAMPLES]]}
+              for kind, e in sorted(errors.items())}
+    rows = sum(f["rows"] for f in stats)
+    failed = sum(e["count"] for e in errors.values())
+    skipped = sum(f["skipped"] for f in stats)
+    values = {column: _merged([f["values"][column] for f in stats])
+              for column in (columns.PROMPT_TOKENS, columns.COMPLETION_TOKENS)}
     summary = record.get("summary") or {}
     report = {
         "output": str(output),
@@ -66,13 +74,15 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
                       "max_model_len"),
                   "engine": config.get("engine")},
         "sampling": config.get("sampling"),
-        "rows": {"input": record.get("rows_total"), "output": table.height,
-                 "ok": table.height - kinds.height - skipped, "skipped": skipped,
-                 "errors": kinds.height, "resumed": summary.get("rows_resumed", 0),
+        "rows": {"input": record.get("rows_total"), "output": rows,
+                 "ok": rows - failed - skipped, "skipped": skipped,
+                 "errors": failed, "resumed": summary.get("rows_resumed", 0),
                  "errors_by_kind": errors},
-        "tokens": {"prompt": _stats(table[columns.PROMPT_TOKENS]),
-                   "output": _stats(table[columns.COMPLETION_TOKENS])},
-        "histogram": {"output_tokens": _histogram(table[columns.COMPLETION_TOKENS])},
+        "files": {"count": len(stats), "largest_rows": max((f["rows"] for f in stats),
+                                                           default=0)},
+        "tokens": {"prompt": _stats(values[columns.PROMPT_TOKENS]),
+                   "output": _stats(values[columns.COMPLETION_TOKENS])},
+        "histogram": {"output_tokens": _histogram(values[columns.COMPLETION_TOKENS])},
         "recovery": summary.get("recovery") or {},
     }
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
@@ -85,15 +95,26 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     return report
 
 
+def _merged(counts: list[list]) -> list[tuple[int, int]]:
+    """Several files' {value: rows} (as sorted pairs) as one, sorted by value."""
+    total: dict[int, int] = defaultdict(int)
+    for pairs in counts:
+        for value, n in pairs:
+            total[value] += n
+    return sorted(total.items())
+
+
 SAMPLE_ROWS, SAMPLE_CHARS = 5, 160
 
 
 def _sample_rows(output: Location, config: dict, key: str) -> list[dict]:
     """A few rows of the output, input beside output, for the HTML page."""
-    first = next((name for name in output.names() if part_ordinal(name) is not None), None)
-    if first is None:
+    parts = list_parts(output)[0]
+    if not parts:
         return []
-    part = read_part(output / first)
+    with (output / parts[0].name).open() as handle:  # the first rows only, not the file
+        part = pa.Table.from_batches([next(pq.ParquetFile(handle).iter_batches(
+            batch_size=SAMPLE_ROWS))])
     text = (config.get("output") or {}).get("column", "generated")
     shown = [c for c in part.column_names if c not in (*columns.GENERATED, columns.ROW_ID)]
     rows = []
@@ -115,24 +136,35 @@ def _plain(value):
     return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
 
 
-def _stats(values) -> dict:
-    values = values.drop_nulls()
-    if values.len() == 0:
+def _stats(pairs: list[tuple[int, int]]) -> dict:
+    """Total, mean, p50, p95 and max of values given as (value, rows) pairs, sorted."""
+    rows = sum(n for _, n in pairs)
+    if rows == 0:
         return {"total": 0, "mean": None, "p50": None, "p95": None, "max": None}
-    return {"total": int(values.sum()), "mean": round(float(values.mean()), 2),
-            "p50": int(values.quantile(0.5, "nearest")),
-            "p95": int(values.quantile(0.95, "nearest")), "max": int(values.max())}
+    total = sum(v * n for v, n in pairs)
+    return {"total": int(total), "mean": round(total / rows, 2),
+            "p50": _quantile(pairs, rows, 0.5), "p95": _quantile(pairs, rows, 0.95),
+            "max": int(pairs[-1][0])}
 
 
-def _histogram(values) -> dict:
-    values = values.drop_nulls()
-    if values.len() == 0:
+def _quantile(pairs: list[tuple[int, int]], rows: int, q: float) -> int:
+    """The nearest-rank quantile (polars' "nearest": the value at index round(q*(n-1)))."""
+    index, seen = round(q * (rows - 1)), 0
+    for value, n in pairs:
+        seen += n
+        if seen > index:
+            return int(value)
+    return int(pairs[-1][0])
+
+
+def _histogram(pairs: list[tuple[int, int]]) -> dict:
+    if not pairs:
         return {"edges": [], "counts": []}
-    top = int(values.max()) + 1
+    top = int(pairs[-1][0]) + 1
     width = max(1, -(-top // HISTOGRAM_BINS))  # ceil
     counts = [0] * -(-top // width)
-    for value, n in (values // width).value_counts().iter_rows():
-        counts[int(value)] = n
+    for value, n in pairs:
+        counts[int(value) // width] += n
     return {"edges": [i * width for i in range(len(counts) + 1)], "counts": counts}
 
 
@@ -184,6 +216,10 @@ def _times(timings: dict, parts: list[dict]) -> dict:
                  "finish_s": round(finished - last, 2)},
         "throughput": {"output_tokens": tokens,
                        "output_tokens_per_s": round(tokens / generation, 1),
+                       # what a pooling task (embed, score, classify) is measured by
+                       "rows_per_s": round(sum(p["rows"] for p in generated) / generation, 1),
+                       "prompt_tokens_per_s": round(sum(p["prompt_tokens"] for p in generated)
+                                                    / generation, 1),
                        "per_replica": per_replica},
         "timeline": timeline,
     }
@@ -244,7 +280,10 @@ def report_lines(report: dict) -> list[str]:
                      f"{t['generation_s']:.1f} s + finish {t['finish_s']:.1f} s")
         th = report["throughput"]
         lines.append(f"throughput   {th['output_tokens_per_s']:,.0f} output tok/s over the "
-                     "generation")
+                     "generation" if th["output_tokens"] or "rows_per_s" not in th else
+                     f"throughput   {th['rows_per_s']:,.1f} rows/s, "
+                     f"{th['prompt_tokens_per_s']:,.0f} prompt tok/s (no output tokens: a "
+                     "pooling task)")
         for r in th["per_replica"]:
             gpus = ",".join(r["gpus"]) or (f"- ({r['cpu_threads']} CPU threads)"
                                            if r.get("cpu_threads") else "-")

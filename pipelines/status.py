@@ -6,7 +6,7 @@ import time
 
 from pipelines.errors import OutputError
 from pipelines.pipeline import RunSummary
-from pipelines.write import OutputStore, part_ordinal, summarize_part
+from pipelines.write import OutputStore, list_parts, summarize_part
 from udfs import columns
 
 STATES = {
@@ -28,9 +28,8 @@ def output_status(path: str) -> list[str]:
     key_column = id_column or columns.ROW_ID
     folder = store.staging if live else store.path
     summary = RunSummary(output=str(store.path))
-    for name in folder.names():
-        if part_ordinal(name) is not None:
-            summary.add_part(summarize_part(folder / name, key_column))
+    for part in list_parts(folder)[0]:
+        summary.add_part(summarize_part(folder / part.name, key_column))
     done = summary.input_rows
     total = record.get("rows_total") or done
     errors = ", ".join(f"{k} {v}" for k, v in sorted(summary.errors.items())) or "none"

@@ -111,6 +111,17 @@ class Location:
         found = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return sorted(i.base_name for i in found)
 
+    def sizes(self) -> dict[str, int]:
+        """Each file directly inside this directory: its size in bytes, from one listing
+        (an object store answers it in one call, not one per file)."""
+        if self.local:
+            if not os.path.isdir(self.path):
+                return {}
+            with os.scandir(self.path) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+        found = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        return {i.base_name: i.size for i in found if i.type == pafs.FileType.File}
+
     def files(self, pattern: str | None = None) -> list[Location]:
         """Every file under this directory (recursively), sorted; with ``pattern`` (a glob
         over the path below this directory), only those it matches."""

@@ -1,21 +1,29 @@
-"""Writing the output: Parquet parts committed one block at a time, the dataset committed once.
+"""Writing the output: Parquet parts committed as they are generated, the dataset committed once.
 
 While a job runs, its parts go to a staging directory beside the output, ``OUTPUT.partial/``,
 each written to a temporary name and renamed into place, so a part is either whole or absent.
-A part holds exactly one input block and is named by the block's first ordinal
-(``part-000000000256.parquet``): the names alone say which rows are done, and sort in input
-order. When every block is written, the staging directory is renamed to the output path. A
-crash at any moment leaves either the old state or the new one; the next run of the same job
-picks up the parts already there.
+A part holds a run of consecutive input rows and is named by their ordinals, ``[start, end)``:
+``part-000000000256-000000000512.parquet``. The names alone say which rows are done, and sort
+in input order. The writers are a pool, stateless: each writes what it is handed at once, one
+part per run of consecutive rows of one block, so no actor holds rows back and none is a
+funnel every row passes through.
+
+When every row is written, the parts are compacted (pipelines/compact.py) into files of about
+``output.file_size_mb``, each written whole and then the parts it replaces removed: a file whose
+range holds another's supersedes it, so a compaction interrupted at any moment is finished by
+the next run. Then the staging directory is renamed to the output path. A crash at any moment
+leaves either the old state or the new one; the next run of the same job picks up the parts
+already there.
 
 On an object store (``s3://``, ``gs://``: see pipelines/storage.py) each part is one upload,
-whole or absent, but a directory cannot be renamed: the commit copies the staged parts into
+whole or absent, but a directory cannot be renamed: the commit copies the staged files into
 place, and only then marks the record complete. The record says which state the output is in; a
 run interrupted during the commit finishes it when run again.
 
-The output directory holds Parquet parts and nothing else, so that ``pl.read_parquet(OUTPUT)``
-and ``pq.read_table(OUTPUT)`` both read it. The job's own record (its fingerprint, state and
-summary) is a file beside it, ``OUTPUT.overnight.json``.
+The output directory holds Parquet files and nothing else, so that ``pl.read_parquet(OUTPUT)``,
+``pq.read_table(OUTPUT)`` and DuckDB's ``read_parquet('OUTPUT/*.parquet')`` all read it, in input
+order. The job's own record (its fingerprint, state and summary) is a file beside it,
+``OUTPUT.overnight.json``.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -37,18 +47,63 @@ from pipelines.storage import Location, scrub_record
 from udfs import columns
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
+_PART = re.compile(r"part-(\d{12})(?:-(\d{12}))?\.parquet")
+# --retry-errors: a block's committed rows, staged while its failed rows run again (hidden:
+# never listed as a part; the commit clears it)
+_RETRY_OLD = ".retry-{:012d}.parquet"
 
 
-def part_name(ordinal: int) -> str:
-    return f"{PART_PREFIX}{ordinal:012d}{PART_SUFFIX}"
+def part_name(start: int, end: int | None = None) -> str:
+    """The name of the part holding input rows [start, end). Without ``end``, the name an
+    earlier version gave a block's part (still read)."""
+    if end is None:
+        return f"{PART_PREFIX}{start:012d}{PART_SUFFIX}"
+    return f"{PART_PREFIX}{start:012d}-{end:012d}{PART_SUFFIX}"
+
+
+def part_range(name: str) -> tuple[int, int | None] | None:
+    """``(start, end)`` of a part's name, ``end`` None for a block's part of an earlier
+    version; None for any other file."""
+    match = _PART.fullmatch(name)
+    if match is None:
+        return None
+    return int(match[1]), (int(match[2]) if match[2] is not None else None)
 
 
 def part_ordinal(name: str) -> int | None:
-    if name.startswith(PART_PREFIX) and name.endswith(PART_SUFFIX):
-        digits = name[len(PART_PREFIX):-len(PART_SUFFIX)]
-        if digits.isdigit():
-            return int(digits)
-    return None
+    found = part_range(name)
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part in a folder: input rows [start, end); ``end`` None for an earlier version's
+    block part (its block's end)."""
+
+    name: str
+    start: int
+    end: int | None
+    size: int = 0
+
+
+def list_parts(folder: Location) -> tuple[list[Part], list[Part]]:
+    """The parts of a folder in input order, and those superseded: a part inside the range of
+    a larger one (a compaction interrupted before it removed its sources; a part written
+    again after a retried task). Each input row is in exactly one of the parts returned."""
+    found = []
+    for name, size in folder.sizes().items():
+        where = part_range(name)
+        if where is not None:
+            found.append(Part(name, where[0], where[1], size))
+    found.sort(key=lambda p: (p.start, -(p.end if p.end is not None else p.start + 1)))
+    kept, superseded, reach = [], [], -1
+    for part in found:
+        if part.start < reach:
+            superseded.append(part)
+            continue
+        kept.append(part)
+        reach = part.end if part.end is not None else part.start + 1
+    return kept, superseded
 
 
 def write_atomically(path: Path | Location, write) -> None:
@@ -59,24 +114,29 @@ def write_atomically(path: Path | Location, write) -> None:
 
 @dataclass(frozen=True)
 class PartLayout:
-    """Which output columns go where; sent to each writer task."""
+    """Which output columns go where; sent to each writer."""
 
     staging: Location | str
     source_columns: tuple[str, ...]
     added_columns: tuple[str, ...]  # row_id (when added), the text column, GENERATED
     block_starts: tuple[int, ...]  # first ordinal of every planned block, sorted
     # input rows each block will bring, parallel to block_starts (with --retry-errors: the
-    # block's rows to re-run); a part is written once all of them have arrived
+    # block's rows to re-run); the retry writer writes a block once all of them have arrived
     block_rows: tuple[int, ...] = ()
-    # --retry-errors: the committed output whose parts the re-run rows are merged into
+    # --retry-errors: the committed output whose rows the re-run rows are merged into
     merge_from: Location | str | None = None
     key_column: str = columns.ROW_ID  # the output column that identifies an input row
     text_column: str = "generated"
     dedupe: bool = False  # drop a sample whose text repeats an earlier sample of its row
+    rows_total: int = 0  # the input's rows: the last block ends there
+
+    def block_end(self, start: int) -> int:
+        i = bisect.bisect_right(self.block_starts, start)
+        return self.block_starts[i] if i < len(self.block_starts) else self.rows_total
 
 
 def input_offsets(keys: list) -> list[int]:
-    """For each row of a part, which of the block's input rows it belongs to. A part holds
+    """For each row of a part, which of the part's input rows it belongs to. A part holds
     its input rows in order, each as a run of one or more rows (its samples) sharing a key."""
     offsets, current = [], -1
     for i, key in enumerate(keys):
@@ -93,24 +153,80 @@ RECORD_SCHEMA = pa.schema([
     ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64())])
 
 
-class PartWriter:
-    """``map_batches`` callable (one actor): writes each block as one part once all its rows
-    have arrived, and returns one small row per part written for the driver's progress and
-    summary. Ray Data may hand a block over in pieces (a GPU stage must batch by rows, and a
-    batch can end mid-block), so rows wait here until their block is whole."""
-
+class _Writer:
     def __init__(self, layout: PartLayout):
         self.layout = layout
         self.staging = Location.of(layout.staging)
-        self.expected = dict(zip(layout.block_starts, layout.block_rows))
-        self.pending: dict[int, list[pa.Table]] = {}
-        self.arrived: dict[int, set[int]] = {}
-        self.written: set[int] = set()  # blocks whose part this writer wrote
 
     def _arrange(self, table: pa.Table) -> pa.Table:
         if columns.ROW_ID in self.layout.added_columns:
             table = table.append_column(columns.ROW_ID, table.column(columns.ORDINAL))
         return table.select([*self.layout.source_columns, *self.layout.added_columns])
+
+    def _dedupe(self, part: pa.Table) -> list[int]:
+        """The rows to keep: the first of identical generations of one input row (samples
+        without text, failed the same way, count as identical), so every input row keeps one
+        row or more."""
+        keys = part.column(self.layout.key_column).to_pylist()
+        texts = part.column(self.layout.text_column).to_pylist()
+        seen, keep = set(), []
+        for i, (key, text) in enumerate(zip(keys, texts)):
+            if (key, text) not in seen:
+                keep.append(i)
+                seen.add((key, text))
+        return keep
+
+    def _write(self, name: str, block: pa.Table, part: pa.Table) -> dict:
+        (self.staging / name).write(lambda tmp: pq.write_table(part, tmp))
+        return {"part": name, **_timing(block), **count_part(part, self.layout.key_column)}
+
+
+class PartWriter(_Writer):
+    """``map_batches`` callable (a pool of them): writes what it is handed at once, one part
+    per run of consecutive input rows of one block, and returns one small row per part for
+    the driver's progress and report. Ray Data may hand a block over in pieces (a GPU stage
+    must batch by rows, and a batch can end mid-block): each piece is a part of its own; the
+    compaction joins them. A piece handed over again (Ray Data retries a task that failed after
+    handing some of its output on) has the same name: written once."""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        records = []
+        for rows in _runs(batch.column(columns.ORDINAL), self.layout.block_starts):
+            block = batch.take(rows)
+            first = block.column(columns.ORDINAL)[0].as_py()
+            last = block.column(columns.ORDINAL)[-1].as_py()
+            part = self._arrange(block)
+            if self.layout.dedupe:
+                part = part.take(self._dedupe(part))
+            records.append(self._write(part_name(first, last + 1), block, part))
+        return pa.Table.from_pylist(records, RECORD_SCHEMA)
+
+
+def _runs(ordinals: pa.ChunkedArray | pa.Array, block_starts: tuple[int, ...]) -> list:
+    """The batch's rows as runs of consecutive ordinals within one block, each in input
+    order (a row's samples share its ordinal and stay in sample order)."""
+    values = np.asarray(ordinals.to_numpy() if isinstance(ordinals, pa.Array)
+                        else ordinals.combine_chunks().to_numpy())
+    if len(values) == 0:
+        return []
+    order = np.argsort(values, kind="stable")
+    sorted_ = values[order]
+    blocks = np.searchsorted(np.asarray(block_starts), sorted_, side="right")
+    cuts = np.flatnonzero((np.diff(sorted_) > 1) | (np.diff(blocks) != 0)) + 1
+    return [pa.array(rows, pa.int64()) for rows in np.split(order, cuts)]
+
+
+class RetryWriter(_Writer):
+    """``map_batches`` callable (one actor) for --retry-errors: a block's re-run rows are
+    gathered until all have arrived, then merged with the block's committed rows (staged by
+    ``OutputStore.open_retry``) and written as the block's part."""
+
+    def __init__(self, layout: PartLayout):
+        super().__init__(layout)
+        self.expected = dict(zip(layout.block_starts, layout.block_rows))
+        self.pending: dict[int, list[pa.Table]] = {}
+        self.arrived: dict[int, set[int]] = {}
+        self.written: set[int] = set()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         ordinals = batch.column(columns.ORDINAL).to_pylist()
@@ -120,9 +236,7 @@ class PartWriter:
             blocks.setdefault(starts[bisect.bisect_right(starts, ordinal) - 1], []).append(i)
         records = []
         for start, rows in sorted(blocks.items()):
-            # Rows that arrived before come again when Ray Data retries a task that failed
-            # after handing some of its output on: never write a row twice. (A row's samples
-            # travel together, in one batch, so its ordinal stands for all of them.)
+            # rows handed over again after a retried task: never merged twice
             seen = self.arrived.setdefault(start, set())
             rows = [i for i in rows if ordinals[i] not in seen]
             if start in self.written or not rows:
@@ -140,19 +254,15 @@ class PartWriter:
             if self.layout.dedupe:  # the block too: _merge reads its ordinals row for row
                 keep = self._dedupe(part)
                 block, part = block.take(keep), part.take(keep)
-            if self.layout.merge_from is not None:
-                part = self._merge(start, block.column(columns.ORDINAL), part)
-            (self.staging / part_name(start)).write(
-                lambda tmp, part=part: pq.write_table(part, tmp))
+            part = self._merge(start, block.column(columns.ORDINAL), part)
+            records.append(self._write(part_name(start, self.layout.block_end(start)),
+                                       block, part))
             self.written.add(start)
-            records.append({"part": part_name(start), **_timing(block),
-                            **count_part(part, self.layout.key_column)})
         return pa.Table.from_pylist(records, RECORD_SCHEMA)
 
-
     def _merge(self, start: int, ordinals: pa.Array, rows: pa.Table) -> pa.Table:
-        """The committed part of this block with ``rows`` (re-run) in place of the old ones."""
-        old = read_part(Location.of(self.layout.merge_from) / part_name(start))
+        """The block's committed rows with ``rows`` (re-run) in place of the old ones."""
+        old = read_part(self.staging / _RETRY_OLD.format(start))
         old_offsets = input_offsets(old.column(self.layout.key_column).to_pylist())
         positions = [o - start for o in ordinals.to_pylist()]  # re-run input rows
         taken = set(positions)
@@ -162,19 +272,6 @@ class PartWriter:
         # stable sort by input row: a row's samples stay in sample order
         order = pc.sort_indices(pa.array([old_offsets[i] for i in keep] + positions))
         return merged.take(order)
-
-    def _dedupe(self, part: pa.Table) -> list[int]:
-        """The rows to keep: the first of identical generations of one input row (samples
-        without text, failed the same way, count as identical), so every input row keeps one
-        row or more."""
-        keys = part.column(self.layout.key_column).to_pylist()
-        texts = part.column(self.layout.text_column).to_pylist()
-        seen, keep = set(), []
-        for i, (key, text) in enumerate(zip(keys, texts)):
-            if (key, text) not in seen:
-                keep.append(i)
-                seen.add((key, text))
-        return keep
 
 
 def _timing(block: pa.Table) -> dict:
@@ -203,22 +300,32 @@ def read_part(path: Location, columns: list[str] | None = None) -> pa.Table:
 
 def count_part(part: pa.Table, key_column: str) -> dict:
     """What the summary adds up: input rows, output rows (samples), errors by kind, skipped
-    rows, tokens."""
-    kinds = part.column(columns.ERROR_KIND).to_pylist()
-    errors: dict[str, int] = {}
-    for kind in kinds:
-        if kind is not None:
-            errors[kind] = errors.get(kind, 0) + 1
-    keys = part.column(key_column).to_pylist()
+    rows, tokens. Vectorized: a compacted part holds hundreds of thousands of rows."""
+    kinds = pc.value_counts(part.column(columns.ERROR_KIND).combine_chunks()
+                            if part.num_rows else pa.array([], pa.string()))
+    errors = {k.as_py(): n.as_py() for k, n in zip(kinds.field("values"), kinds.field("counts"))
+              if k.as_py() is not None}
     return {
-        "input_rows": input_offsets(keys)[-1] + 1 if keys else 0,
+        "input_rows": count_runs(part.column(key_column)),
         "rows": part.num_rows,
-        "errors": json.dumps(errors),
-        "skipped": part.column(columns.FINISH_REASON).to_pylist().count(
-            columns.FinishReason.SKIPPED),
+        "errors": json.dumps(dict(sorted(errors.items()))),
+        "skipped": pc.sum(pc.equal(part.column(columns.FINISH_REASON),
+                                   columns.FinishReason.SKIPPED)).as_py() or 0,
         "prompt_tokens": pc.sum(part.column(columns.PROMPT_TOKENS)).as_py() or 0,
         "completion_tokens": pc.sum(part.column(columns.COMPLETION_TOKENS)).as_py() or 0,
     }
+
+
+def count_runs(keys: pa.ChunkedArray | pa.Array) -> int:
+    """Runs of equal keys: the input rows of a part (each row's samples share its key)."""
+    if len(keys) == 0:
+        return 0
+    keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
+    if pa.types.is_struct(keys.type) or pa.types.is_list(keys.type) \
+            or pa.types.is_large_list(keys.type):
+        return input_offsets(keys.to_pylist())[-1] + 1
+    changed = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1))
+    return 1 + (pc.sum(pc.fill_null(changed, True)).as_py() or 0)
 
 
 class OutputStore:
@@ -244,15 +351,17 @@ class OutputStore:
         self.path.parent.mkdir()
         self.record.write_text(json.dumps(scrub_record(record), indent=2, default=str))
 
-    def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0) -> set[int]:
-        """Prepare staging for this job; return the first ordinals of blocks already written."""
+    def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0,
+             block_starts: tuple[int, ...] = ()) -> set[int]:
+        """Prepare staging for this job; return the first ordinals of blocks already written
+        (``block_starts``: every planned block's)."""
         record = self.read_record() or {}
         if self.staging.exists() and record.get("state") in ("running", "committing"):
             # An unfinished run. Of this job: resume it, with or without --overwrite (the
             # command that started it may have had the flag; "the same command resumes").
             changed = diff_fingerprints(record.get("fingerprint", {}), fingerprint)
             if not changed:
-                return self.done_blocks()
+                return self._resume(block_starts, rows_total)
             if not overwrite:
                 raise OutputError(
                     f"{self.staging} holds an unfinished run of a different job "
@@ -267,10 +376,36 @@ class OutputStore:
                            "rows_total": rows_total, "fingerprint": fingerprint})
         return set()
 
-    def open_retry(self, fingerprint: dict, key_column: str) -> dict[int, list[int]]:
-        """Stage a re-run of the rows with errors in the committed output. Parts without
-        errors are linked (copied, on an object store) into staging unchanged; returns
-        {block start: input positions}."""
+    def _resume(self, block_starts: tuple[int, ...], rows_total: int) -> set[int]:
+        """The blocks the staged parts cover whole. Superseded parts, and parts of a block
+        only partly written (its other rows were in flight when the run stopped), are removed:
+        those blocks run again, whole."""
+        kept, superseded = list_parts(self.staging)
+        for part in superseded:
+            (self.staging / part.name).remove()
+        if not block_starts:  # no plan given: each part stands for the block it starts
+            return {p.start for p in kept}
+        done, partial = covered_blocks(kept, block_starts, rows_total)
+        for part in kept:
+            if _block_of(part.start, block_starts) in partial:
+                (self.staging / part.name).remove()
+        return done
+
+    def done_blocks(self, block_starts: tuple[int, ...] = (), rows_total: int = 0) -> set[int]:
+        """The blocks the staged parts cover whole (without ``block_starts``: the starts of
+        the staged parts)."""
+        kept, _ = list_parts(self.staging)
+        if not block_starts:
+            return {p.start for p in kept}
+        return covered_blocks(kept, block_starts, rows_total)[0]
+
+    def open_retry(self, fingerprint: dict, key_column: str, block_starts: tuple[int, ...],
+                   rows_total: int) -> dict[int, list[int]]:
+        """Stage a re-run of the rows with errors in the committed output. Files without
+        errors are linked (copied, on an object store) into staging unchanged; of a file with
+        errors, the blocks without errors are staged as parts and each block with errors as
+        its committed rows, for the retry writer to merge into. Returns {block start: input
+        positions in the block to re-run}."""
         record = self.read_record()
         # "retrying": an interrupted retry; the committed output is untouched, start it again
         if not self.path.exists() or not record or record.get("state") not in ("complete",
@@ -284,19 +419,48 @@ class OutputStore:
         self.staging.remove()
         self.staging.mkdir()
         retry: dict[int, list[int]] = {}
-        for name in self.path.names():
-            start = part_ordinal(name)
-            if start is None:
+        for part in list_parts(self.path)[0]:
+            table = read_part(self.path / part.name, columns=[key_column, columns.ERROR])
+            ordinals = part.start + np.asarray(
+                input_offsets(table.column(key_column).to_pylist()), dtype=np.int64)
+            failed = ordinals[table.column(columns.ERROR).is_valid().to_numpy(
+                zero_copy_only=False)]
+            if len(failed) == 0:
+                (self.path / part.name).copy_to(self.staging / part.name)
                 continue
-            part = read_part(self.path / name, columns=[key_column, columns.ERROR])
-            offsets = input_offsets(part.column(key_column).to_pylist())
-            failed = sorted({offsets[i] for i, e in enumerate(part.column(1).to_pylist())
-                             if e is not None})
-            if failed:
-                retry[start] = failed
-            else:
-                (self.path / name).copy_to(self.staging / name)
+            retry.update(self._stage_for_retry(part, ordinals, set(failed.tolist()),
+                                               block_starts, rows_total))
         self.write_record({**record, "state": "retrying", "retry_started": time.time()})
+        return retry
+
+    def _stage_for_retry(self, part: Part, ordinals: np.ndarray, failed: set[int],
+                         block_starts: tuple[int, ...], rows_total: int) -> dict[int, list]:
+        whole = read_part(self.path / part.name)
+        blocks = np.asarray(block_starts)[
+            np.searchsorted(np.asarray(block_starts), ordinals, side="right") - 1]
+        retry, clean = {}, []  # clean: row indices of a run of blocks without errors
+
+        def stage_clean():
+            if clean:
+                rows = pa.array(np.concatenate(clean), pa.int64())
+                first, last = ordinals[rows[0].as_py()], ordinals[rows[-1].as_py()]
+                table = whole.take(rows)
+                (self.staging / part_name(int(first), int(last) + 1)).write(
+                    lambda tmp: pq.write_table(table, tmp))
+                clean.clear()
+
+        for start in np.unique(blocks):
+            rows = np.flatnonzero(blocks == start)
+            bad = sorted(o - int(start) for o in set(ordinals[rows].tolist()) & failed)
+            if not bad:
+                clean.append(rows)
+                continue
+            stage_clean()
+            old = whole.take(pa.array(rows, pa.int64()))
+            (self.staging / _RETRY_OLD.format(int(start))).write(
+                lambda tmp, old=old: pq.write_table(old, tmp))
+            retry[int(start)] = bad
+        stage_clean()
         return retry
 
     def discard(self) -> None:
@@ -304,16 +468,14 @@ class OutputStore:
         for where in (self.path, self.staging, self.record):
             where.remove()
 
-    def done_blocks(self) -> set[int]:
-        found = (part_ordinal(name) for name in self.staging.names())
-        return {o for o in found if o is not None}
-
     def commit(self, record: dict) -> None:
         """Make the staged parts the output, then record the job as complete. On a local
         disk that is one rename; on an object store, a copy of each part, after which the
         record turns complete (an interrupted copy is redone by the next run)."""
-        for name in self.staging.names():  # temporaries left by a killed earlier run
-            if part_ordinal(name) is None:
+        kept, superseded = list_parts(self.staging)
+        keep = {p.name for p in kept}
+        for name in self.staging.names():  # temporaries left by a killed run; superseded
+            if name not in keep:
                 (self.staging / name).remove()
         if self.path.local:
             old = None
@@ -333,6 +495,34 @@ class OutputStore:
         self.staging.remove()  # on a local disk, already gone
 
 
+def covered_blocks(parts: list[Part], block_starts: tuple[int, ...],
+                   rows_total: int) -> tuple[set[int], set[int]]:
+    """(blocks the parts cover whole, blocks they cover in part), by first ordinal."""
+    if not block_starts:
+        return set(), set()
+    starts = list(block_starts)
+    ends = starts[1:] + [rows_total]
+    have = np.zeros(len(starts), dtype=np.int64)  # rows of each block the parts hold
+    for part in parts:
+        end = part.end
+        if end is None:  # an earlier version's block part: its whole block
+            i = bisect.bisect_right(starts, part.start) - 1
+            end = ends[i] if i >= 0 and starts[i] == part.start else part.start
+        lo = max(bisect.bisect_right(starts, part.start) - 1, 0)
+        for i in range(lo, len(starts)):
+            if starts[i] >= end:
+                break
+            have[i] += min(end, ends[i]) - max(part.start, starts[i])
+    done = {starts[i] for i in range(len(starts)) if have[i] >= ends[i] - starts[i]}
+    partial = {starts[i] for i in range(len(starts)) if 0 < have[i] < ends[i] - starts[i]}
+    return done, partial
+
+
+def _block_of(ordinal: int, block_starts: tuple[int, ...]) -> int:
+    return block_starts[bisect.bisect_right(block_starts, ordinal) - 1]
+
+
 def diff_fingerprints(old: dict, new: dict) -> list[str]:
     """The top-level keys whose values differ, e.g. ['sampling', 'input files']."""
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from pipelines.storage import Location
+from pipelines.write import list_parts
 from serve.store import Store
 from serve.validate import check_input_file
 
@@ -176,7 +178,8 @@ class Runner:
         if not parts_dir.is_dir():
             parts_dir = work / "output"
         done = failed = 0
-        for part in sorted(parts_dir.glob("part-*.parquet")) if parts_dir.is_dir() else []:
+        for found in list_parts(Location.of(parts_dir))[0] if parts_dir.is_dir() else []:
+            part = parts_dir / found.name  # superseded parts (mid-compaction) not counted
             key = str(part)
             if key not in self._counted:
                 table = pq.read_table(part, columns=["custom_id", "error"])

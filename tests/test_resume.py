@@ -41,7 +41,10 @@ def resume_job(tiny_model, tmp_path_factory):
         return job_config(tiny_model, root / "in.jsonl", output,
                           input={"id_column": "sku"},
                           sampling={"temperature": 0.8, "seed": 3, "max_tokens": 32},
-                          resources={"batch_size": BLOCK})
+                          resources={"batch_size": BLOCK},
+                          # a file per block (parts are ~2 KB): --retry-errors re-runs
+                          # blocks in files of their own, and a file without errors is kept
+                          output={"file_size_mb": 0.001})
 
     def write_config(name: str) -> Path:
         path = root / f"{name}.yaml"
@@ -138,7 +141,7 @@ def test_retry_errors_reruns_only_the_failed_rows(resume_job, reference, ray_clu
     shutil.copytree(root / "reference", out)
     shutil.copy(root / "reference.overnight.json", root / "retry.overnight.json")
     # A transient engine failure, as the job records one: the row keeps no text.
-    victim = part_name(8)
+    victim = part_name(8, 12)
     part = pl.read_parquet(out / victim)
     part = part.with_columns(
         pl.when(pl.col("sku") == "R0009").then(None).otherwise(pl.col("rewritten"))
@@ -153,11 +156,11 @@ def test_retry_errors_reruns_only_the_failed_rows(resume_job, reference, ray_clu
         .alias("finish_reason"),
     )
     part.write_parquet(out / victim)
-    untouched = os.stat(out / part_name(0)).st_ino  # a part with no error
+    untouched = os.stat(out / part_name(0, 4)).st_ino  # a file with no error
 
     failed_before = pl.read_parquet(out).filter(pl.col("error").is_not_null()).height
     summary = run_job(load_config(config(out)), retry_errors=True)
 
     assert summary.rows_resumed == ROWS - failed_before  # only the failed rows ran
     assert_same_output(out, reference)  # R0009 regenerated; null rows fail as before
-    assert os.stat(out / part_name(0)).st_ino == untouched  # linked, not rewritten
+    assert os.stat(out / part_name(0, 4)).st_ino == untouched  # linked, not rewritten

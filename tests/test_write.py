@@ -1,13 +1,16 @@
-"""The part writer puts blocks back together: Ray Data may hand a block over in pieces, in any
-order (a stage batched by rows can end a batch mid-block); a part is written once, whole, in
-input order."""
+"""The part writers and the compaction: Ray Data may hand a block over in pieces, in any order
+(a stage batched by rows can end a batch mid-block); every piece is written at once as a part
+named by its rows, and the finished output is a few files, whole, in input order."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.write import PartLayout, PartWriter, part_name
+from pipelines.compact import Group, plan_groups, write_group
+from pipelines.storage import Location
+from pipelines.write import (OutputStore, Part, PartLayout, PartWriter, covered_blocks,
+                             list_parts, part_name)
 from udfs import columns
 
 
@@ -24,38 +27,82 @@ def rows(ordinals, samples=1):
     })
 
 
-def test_a_block_in_pieces_is_written_once_whole_and_in_order(tmp_path):
-    layout = PartLayout(staging=str(tmp_path), source_columns=("title",),
-                        added_columns=(columns.ROW_ID, "text", *columns.GENERATED),
-                        block_starts=(0, 4, 8), block_rows=(4, 4, 2), text_column="text")
-    writer = PartWriter(layout)
-    # block 4..7 arrives in two pieces, the later rows first, with block 8..9 whole between
+LAYOUT = dict(source_columns=("title",), added_columns=(columns.ROW_ID, "text",
+                                                         *columns.GENERATED),
+              block_starts=(0, 4, 8), block_rows=(4, 4, 2), text_column="text", rows_total=10)
+
+
+def test_pieces_are_written_at_once_as_parts_named_by_their_rows(tmp_path):
+    writer = PartWriter(PartLayout(staging=str(tmp_path), **LAYOUT))
+    # block 4..7 arrives in two pieces, the later rows first, with block 8..9 whole between;
+    # one batch holds rows of two blocks that are not neighbours
     first = writer(pa.concat_tables([rows([6, 7], samples=2), rows([8, 9], samples=2)]))
-    assert first["part"].to_pylist() == [part_name(8)]
-    assert not (tmp_path / part_name(4)).exists()  # not before it is whole
+    assert first["part"].to_pylist() == [part_name(6, 8), part_name(8, 10)]
     second = writer(pa.concat_tables([rows([0, 1, 2, 3], samples=2), rows([4, 5], samples=2)]))
-    assert second["part"].to_pylist() == [part_name(0), part_name(4)]
-    assert second["input_rows"].to_pylist() == [4, 4] and second["rows"].to_pylist() == [8, 8]
-    part = pq.read_table(tmp_path / part_name(4))
-    assert part.column(columns.ROW_ID).to_pylist() == [4, 4, 5, 5, 6, 6, 7, 7]
-    assert part.column("text").to_pylist() == ["4.0", "4.1", "5.0", "5.1", "6.0", "6.1",
-                                               "7.0", "7.1"]
-    assert writer.pending == {}
+    assert second["part"].to_pylist() == [part_name(0, 4), part_name(4, 6)]
+    assert second["input_rows"].to_pylist() == [4, 2] and second["rows"].to_pylist() == [8, 4]
+    part = pq.read_table(tmp_path / part_name(4, 6))
+    assert part.column(columns.ROW_ID).to_pylist() == [4, 4, 5, 5]
+    assert part.column("text").to_pylist() == ["4.0", "4.1", "5.0", "5.1"]
+    parts, superseded = list_parts(Location.of(str(tmp_path)))
+    assert [p.start for p in parts] == [0, 4, 6, 8] and not superseded
+    assert covered_blocks(parts, (0, 4, 8), 10) == ({0, 4, 8}, set())
 
 
 def test_rows_handed_over_twice_are_written_once(tmp_path):
     """Ray Data retries a task that failed after handing on part of its output: the rows it
-    hands on again must not reach a part twice, before or after the part is written."""
-    layout = PartLayout(staging=str(tmp_path), source_columns=("title",),
-                        added_columns=(columns.ROW_ID, "text", *columns.GENERATED),
-                        block_starts=(0, 4), block_rows=(4, 4), text_column="text")
-    writer = PartWriter(layout)
-    assert writer(rows([0, 1], samples=2)).num_rows == 0
-    assert writer(rows([0, 1], samples=2)).num_rows == 0  # the retry's first piece again
-    assert writer(rows([0, 1, 2, 3], samples=2))["part"].to_pylist() == [part_name(0)]
-    assert writer(rows([2, 3, 4, 5, 6, 7]))["part"].to_pylist() == [part_name(4)]
-    assert pq.read_table(tmp_path / part_name(0)).column(columns.ROW_ID).to_pylist() == \
-        [0, 0, 1, 1, 2, 2, 3, 3]
-    assert pq.read_table(tmp_path / part_name(4)).column(columns.ROW_ID).to_pylist() == \
-        [4, 5, 6, 7]
-    assert writer.pending == {}
+    hands on again are the same piece, the same part; a part inside a larger one's range
+    is superseded, never read twice."""
+    writer = PartWriter(PartLayout(staging=str(tmp_path), **LAYOUT))
+    writer(rows([0, 1], samples=2))
+    writer(rows([0, 1], samples=2))  # the retry's piece again: the same name
+    writer(rows([0, 1, 2, 3], samples=2))
+    parts, superseded = list_parts(Location.of(str(tmp_path)))
+    assert [p.name for p in parts] == [part_name(0, 4)]
+    assert [p.name for p in superseded] == [part_name(0, 2)]
+
+
+def test_a_resume_keeps_whole_blocks_and_reruns_blocks_written_in_part(tmp_path):
+    store = OutputStore(str(tmp_path / "out"))
+    store.staging.mkdir()
+    writer = PartWriter(PartLayout(staging=store.staging, **LAYOUT))
+    writer(rows([0, 1, 2, 3]))
+    writer(rows([4, 5]))  # block 4 half written when the run stopped
+    writer(rows([8, 9]))
+    assert store._resume((0, 4, 8), 10) == {0, 8}
+    assert [p.name for p in list_parts(store.staging)[0]] == [part_name(0, 4), part_name(8, 10)]
+
+
+def test_compaction_joins_parts_at_block_boundaries_and_finishes_after_a_stop(tmp_path):
+    staging = Location.of(str(tmp_path))
+    writer = PartWriter(PartLayout(staging=staging, **LAYOUT))
+    for piece in ([0, 1], [2, 3], [4, 5, 6], [7], [8, 9]):
+        writer(rows(piece, samples=2))
+    parts, _ = list_parts(staging)
+    one = parts[0].size
+    # about two parts a file: a file ends only where a block starts
+    groups = plan_groups(parts, (0, 4, 8), 10, target_bytes=2 * one + 1)
+    assert [(g.start, g.end) for g in groups] == [(0, 4), (4, 8), (8, 10)]
+    # a stop after the first file was written, before its parts were removed
+    pq.write_table(pa.concat_tables([pq.read_table(tmp_path / part_name(0, 2)),
+                                     pq.read_table(tmp_path / part_name(2, 4))]),
+                   tmp_path / part_name(0, 4))
+    parts, superseded = list_parts(staging)
+    assert [p.name for p in superseded] == [part_name(0, 2), part_name(2, 4)]
+    for part in superseded:
+        (staging / part.name).remove()
+    for group in plan_groups(parts, (0, 4, 8), 10, target_bytes=1 << 30)[:1]:
+        stats = write_group(staging, group, columns.ROW_ID)
+    assert [p.name for p in list_parts(staging)[0]] == [part_name(0, 10)]
+    assert stats["input_rows"] == 10 and stats["rows"] == 20
+    table = pq.read_table(tmp_path / part_name(0, 10))
+    assert table.column(columns.ROW_ID).to_pylist() == [o for o in range(10) for _ in (0, 1)]
+
+
+def test_a_group_of_one_part_named_for_its_range_is_left_as_it_is(tmp_path):
+    staging = Location.of(str(tmp_path))
+    PartWriter(PartLayout(staging=staging, **LAYOUT))(rows([0, 1, 2, 3]))
+    inode = (tmp_path / part_name(0, 4)).stat().st_ino
+    stats = write_group(staging, Group(0, 4, (part_name(0, 4),)), columns.ROW_ID)
+    assert stats["rows"] == 4 and (tmp_path / part_name(0, 4)).stat().st_ino == inode
+    assert covered_blocks([Part(part_name(0), 0, None)], (0, 4), 8) == ({0}, set())
