@@ -66,12 +66,24 @@ def compact(staging: Location, block_starts: tuple[int, ...], rows_total: int,
     counts (``file_stats``), in input order."""
     import ray
 
+    write = ray.remote(num_cpus=1, max_retries=2)(write_group)
+    groups = _groups(staging, block_starts, rows_total, target_bytes)
+    return ray.get([write.remote(staging, group, key_column) for group in groups])
+
+
+def compact_locally(staging: Location, block_starts: tuple[int, ...], rows_total: int,
+                    target_bytes: int, key_column: str) -> list[dict]:
+    """``compact`` in this process, one file after another (no Ray)."""
+    return [write_group(staging, group, key_column)
+            for group in _groups(staging, block_starts, rows_total, target_bytes)]
+
+
+def _groups(staging: Location, block_starts: tuple[int, ...], rows_total: int,
+            target_bytes: int) -> list[Group]:
     parts, superseded = list_parts(staging)
     for part in superseded:
         (staging / part.name).remove()
-    groups = plan_groups(parts, block_starts, rows_total, target_bytes)
-    write = ray.remote(num_cpus=1, max_retries=2)(write_group)
-    return ray.get([write.remote(staging, group, key_column) for group in groups])
+    return plan_groups(parts, block_starts, rows_total, target_bytes)
 
 
 def write_group(staging: Location, group: Group, key_column: str) -> dict:

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines import load_config, run_job
+from pipelines.write import part_name
 from udfs.columns import ErrorKind
 from udfs.prompts import PromptRenderer
 
@@ -49,8 +50,10 @@ def job(tiny_model, ray_cluster, tmp_path_factory):
 
 
 def test_every_input_row_once_in_input_order(job):
-    _, _, out, _ = job
+    _, _, out, root = job
     assert out["sku"].to_list() == [r["sku"] for r in ROWS]
+    # the parts of blocks handed over in pieces, joined into one file named by its rows
+    assert sorted(p.name for p in (root / "out").iterdir()) == [part_name(0, len(ROWS))]
 
 
 def test_source_columns_unchanged(job):

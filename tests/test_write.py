@@ -106,3 +106,34 @@ def test_a_group_of_one_part_named_for_its_range_is_left_as_it_is(tmp_path):
     stats = write_group(staging, Group(0, 4, (part_name(0, 4),)), columns.ROW_ID)
     assert stats["rows"] == 4 and (tmp_path / part_name(0, 4)).stat().st_ino == inode
     assert covered_blocks([Part(part_name(0), 0, None)], (0, 4), 8) == ({0}, set())
+
+
+def test_the_output_reads_in_input_order_with_polars_pyarrow_and_duckdb(tmp_path):
+    """A compacted output of several files, as its readers see it: every row once, in input
+    order, one schema."""
+    import duckdb
+    import polars as pl
+    import pyarrow.dataset as ds
+
+    from pipelines.compact import compact_locally
+
+    starts = tuple(range(0, 100, 4))
+    layout = PartLayout(staging=str(tmp_path), source_columns=("title",),
+                        added_columns=(columns.ROW_ID, "text", *columns.GENERATED),
+                        block_starts=starts, block_rows=(4,) * 25, text_column="text",
+                        rows_total=100)
+    writer = PartWriter(layout)
+    for first in range(0, 100, 3):  # pieces that straddle blocks, handed over out of order
+        writer(rows(list(range(first, min(first + 3, 100)))[::-1]))
+    size = sum(p.size for p in list_parts(Location.of(str(tmp_path)))[0])
+    stats = compact_locally(Location.of(str(tmp_path)), starts, 100, size // 5, columns.ROW_ID)
+    names = [p.name for p in list_parts(Location.of(str(tmp_path)))[0]]
+    assert 4 <= len(names) <= 7 and len(stats) == len(names)
+    assert sorted(tmp_path.iterdir()) == [tmp_path / n for n in names]  # nothing else there
+    expected = list(range(100))
+    assert pl.read_parquet(tmp_path)["row_id"].to_list() == expected
+    assert pl.scan_parquet(tmp_path / "*.parquet").select("row_id").collect()[
+        "row_id"].to_list() == expected
+    assert ds.dataset(tmp_path).to_table(columns=["row_id"])["row_id"].to_pylist() == expected
+    got = duckdb.sql(f"select row_id from read_parquet('{tmp_path}/*.parquet')").fetchall()
+    assert [r[0] for r in got] == expected
