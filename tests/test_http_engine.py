@@ -17,6 +17,7 @@ from pipelines.errors import JobError
 from pipelines.preflight import plan_job
 from udfs.columns import ErrorKind
 from udfs.engine import EngineSpec, GenerationRequest, build_engine
+from udfs.logprobs import label_masses
 from udfs.prompts import PromptRenderer
 
 from conftest import KV_CACHE, job_config
@@ -41,13 +42,17 @@ def server(tiny_model, tmp_path_factory):
 def http_job(tiny_model, ray_cluster, tmp_path):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
 
-    def make(base_url: str, name: str = "out", rows=None, **engine):
+    def make(base_url: str, name: str = "out", rows=None, output=None, sampling=None,
+             structured=None, **engine):
         path = tmp_path / "in.jsonl"
         if rows is not None:
             path = tmp_path / f"{name}.jsonl"
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        raw = job_config(tiny_model, path, tmp_path / name, input={"id_column": "sku"})
+        raw = job_config(tiny_model, path, tmp_path / name, input={"id_column": "sku"},
+                         output=output or {}, sampling=sampling or {})
         raw["engine"] = {"kind": "http", "base_url": base_url, **engine}
+        if structured is not None:
+            raw["structured"] = structured
         return load_config(raw)
 
     return make
@@ -111,6 +116,52 @@ def test_structured_output_through_the_server(server, http_job):
                           "structured": {"choice": ["red", "green", "blue"]}})
     run_job(config)
     assert set(pl.read_parquet(config.output.path)["rewritten"]) <= {"red", "green", "blue"}
+
+
+def test_logprobs_and_penalties_through_the_server(server, http_job, llm):
+    """output.logprobs and the sampling penalties go to the server; the logprobs it returns
+    (text, no token ids) equal vLLM's own for the same greedy requests."""
+    import vllm
+
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+    config = http_job(server.base_url, name="logprobs", rows=ROWS[:4],
+                      output={"logprobs": 2}, sampling=penalties)
+    run_job(config)
+    out = pl.read_parquet(config.output.path).filter(pl.col("error").is_null())
+    renderer = PromptRenderer(plan_job(config).render)
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=renderer.render_row(
+        {"title": r["title"], "description": r["description"]})[0])
+        for r in out.iter_rows(named=True)]
+    theirs = llm.generate(prompts, vllm.SamplingParams(
+        temperature=0.0, max_tokens=config.sampling.max_tokens, logprobs=2, **penalties),
+        use_tqdm=False)
+    assert out.height == 4
+    for text, ours, their in zip(out["rewritten"], out["logprobs"], theirs):
+        completion = their.outputs[0]
+        assert text == completion.text
+        assert [t["token"] for t in ours] == [p[t].decoded_token for t, p in zip(
+            completion.token_ids, completion.logprobs)]
+        assert [t["logprob"] for t in ours] == pytest.approx(
+            [p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs)], abs=1e-5)
+        # completions give the alternatives as {text: logprob}: texts that repeat (several
+        # tokens decode to '' here) collapse into one, so some tokens have fewer than 2
+        for token, position in zip(ours, completion.logprobs):
+            assert token["token_id"] is None and 1 <= len(token["top"]) <= 2
+            for alt in token["top"]:
+                assert any(lp.decoded_token == alt["token"] and lp.logprob == pytest.approx(
+                    alt["logprob"], abs=1e-5) for lp in position.values())
+
+    # choice: the confidence is read from the logprobs the server sends with each answer
+    labels = ["red", "green", "blue"]
+    config = http_job(server.base_url, name="confidence", rows=ROWS[:4], output={"logprobs": 13},
+                      structured={"choice": labels})
+    run_job(config)
+    out = pl.read_parquet(config.output.path).filter(pl.col("error").is_null())
+    assert out.height == 4 and set(out["rewritten"]) <= set(labels)
+    for text, confidence, tokens in zip(out["rewritten"], out["confidence"], out["logprobs"]):
+        assert 0.0 <= confidence <= 1.0
+        masses = label_masses(labels, tokens)  # 13 alternatives: all the grammar allows
+        assert confidence == pytest.approx(masses[text] / sum(masses.values()), abs=1e-6)
 
 
 def test_429_is_retried_and_the_key_is_never_written(server, http_job, llm, monkeypatch,
