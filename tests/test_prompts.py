@@ -29,3 +29,28 @@ def test_messages_column_renders_like_vllm_chat(tiny_model, llm):
     assert ids[:2] == [r.prompt_token_ids for r in reference]
     assert out.column(columns.ERROR_KIND).to_pylist() == [None, None, ErrorKind.RENDER]
     assert "not a {role, content} message" in out.column(columns.ERROR).to_pylist()[2]
+
+
+def test_a_block_tokenized_in_one_call_equals_each_row_rendered_alone(tiny_model):
+    """The renderer tokenizes a block's prompts in one call (the GIL released meanwhile):
+    the same ids, lengths and errors as rendering each row by itself, for chat prompts,
+    raw ones, rows too long, null fields and rows whose values break the template."""
+    rows = [{"title": t, "description": d} for t, d in [
+        ("Lamp", "A warm light 🙂"), ("Über café", "naïve — مرحبا — שלום"),
+        ("Empty", ""), ("Null", None), ("Long", "word " * 600), ("{{ 7 * 7 }}", "{% raw %}"),
+        ("Tabs\tand\nlines", "  spaced  "), ("Bad", "x")]]
+    for chat in (True, False):
+        renderer = PromptRenderer(RenderSpec(
+            template="Title: {{ title }}\n{{ description }}{{ 1 // (title != 'Bad') }}",
+            tokenizer=tiny_model, max_model_len=512, max_tokens=8, system="Be brief.",
+            chat=chat, on_null="error"))
+        out = renderer(pa.Table.from_pylist(rows))
+        alone = [renderer.render_row(row) for row in rows]
+        assert out.column(columns.PROMPT_TOKEN_IDS).to_pylist() == [a[0] for a in alone]
+        assert out.column(columns.PROMPT_TOKENS).to_pylist() == [a[1] for a in alone]
+        assert out.column(columns.ERROR_KIND).to_pylist() == [
+            None, None, None, ErrorKind.NULL_FIELD, ErrorKind.PROMPT_TOO_LONG, None, None,
+            ErrorKind.RENDER]
+        assert out.column(columns.ERROR).to_pylist() == [a[4] for a in alone]
+        plain = alone[0][0]  # and the ids are the tokenizer's own, row by row
+        assert plain == renderer.tokenize(renderer.render_text(rows[0]), chat=chat)

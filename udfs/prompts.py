@@ -107,19 +107,14 @@ class PromptRenderer:
         values = {name: batch.column(name).to_pylist() for name in self.variables}
         caps = (batch.column(self.spec.max_tokens_column).to_pylist()
                 if self.spec.max_tokens_column else [None] * batch.num_rows)
-        token_ids, lengths, reasons, kinds, errors, messages = [], [], [], [], [], []
-        for i in range(batch.num_rows):
-            row = {name: values[name][i] for name in self.variables}
-            ids, length, reason, kind, error = self.render_row(row, caps[i])
-            token_ids.append(ids)
-            lengths.append(length)
-            reasons.append(reason)
-            kinds.append(kind)
-            errors.append(error)
-            if self.spec.keep_messages:
-                messages.append(json.dumps(self.render_messages(self._fill(row)))
-                                if ids is not None else None)
+        rows = [{name: values[name][i] for name in self.variables}
+                for i in range(batch.num_rows)]
+        rendered = self.render_rows(rows, caps)
+        token_ids, lengths, reasons, kinds, errors = (list(c) for c in zip(*rendered)) \
+            if rendered else ([], [], [], [], [])
         if self.spec.keep_messages:
+            messages = [json.dumps(self.render_messages(self._fill(row)))
+                        if ids is not None else None for row, ids in zip(rows, token_ids)]
             batch = batch.append_column(columns.PROMPT_MESSAGES, pa.array(messages, pa.string()))
         return (batch
                 .append_column(columns.PROMPT_TOKEN_IDS, pa.array(token_ids, pa.list_(pa.int32())))
@@ -172,9 +167,47 @@ class PromptRenderer:
     def render_row(self, row: dict, max_tokens: int | None = None):
         """-> (token ids to generate from or None, prompt length, finish_reason, error_kind,
         error) for one row; ``max_tokens``: the row's own, when lower than the job's."""
-        budget = self.budget
-        if max_tokens is not None:
-            budget = self.spec.max_model_len - max(1, min(max_tokens, self.spec.max_tokens))
+        text = self._render_text(row)
+        if isinstance(text, tuple):  # the row cannot become a prompt
+            return text
+        try:
+            ids = self.tokenize(*text)
+        except Exception as exc:  # noqa: BLE001 - a text the tokenizer refuses: the row's
+            return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
+        return self._fit(ids, max_tokens)
+
+    def render_rows(self, rows: list[dict], caps: list[int | None]) -> list[tuple]:
+        """``render_row`` of each row, the texts tokenized in one batch call. A fast
+        tokenizer's batch call releases the GIL while it runs (and may use spare cores): the
+        engine's own thread in this process is not held up behind a block's rendering, which
+        a call per row, holding the GIL, did. A subclass that renders rows its own way
+        (``render_row``) keeps it."""
+        if type(self).render_row is not PromptRenderer.render_row:
+            return [self.render_row(row, cap) for row, cap in zip(rows, caps)]
+        results: list = [self._render_text(row) for row in rows]
+        for chat in (True, False):
+            todo = [i for i, r in enumerate(results) if isinstance(r, list) and r[1] is chat]
+            if not todo:
+                continue
+            try:
+                encoded = self.tokenize_batch([results[i][0] for i in todo], chat)
+            except Exception:  # noqa: BLE001 - one text the tokenizer refuses: row by row
+                encoded = [None] * len(todo)
+            for i, ids in zip(todo, encoded):
+                results[i] = (self._fit(ids, caps[i]) if ids is not None
+                              else self.render_row(rows[i], caps[i]))
+        return results
+
+    def tokenize_batch(self, texts: list[str], chat: bool) -> list[list[int]]:
+        """``tokenize`` of each text, in one call: the same ids."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)  # a fast tokenizer's own
+        if backend is not None and hasattr(backend, "encode_batch"):
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=not chat)]
+        return self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
+
+    def _render_text(self, row: dict):
+        """[the prompt's text, whether it is chat] for a row, or the row's result (a tuple, as
+        ``render_row``'s) when it cannot become a prompt (a null, a template that fails)."""
         nulls = [name for name, value in row.items() if value is None]
         if nulls:
             if self.spec.on_null == "error":
@@ -183,9 +216,15 @@ class PromptRenderer:
             row = self._fill(row)
         try:
             raw, messages = self.prompt(row)
-            ids = self.tokenize(self._text(raw, messages), chat=raw is None)
+            return [self._text(raw, messages), raw is None]
         except Exception as exc:  # a template error on this row's values: the row's problem
             return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
+
+    def _fit(self, ids: list[int], max_tokens: int | None = None):
+        """The row's result for its token ids: as they are, cut, skipped or an error."""
+        budget = self.budget
+        if max_tokens is not None:
+            budget = self.spec.max_model_len - max(1, min(max_tokens, self.spec.max_tokens))
         if len(ids) <= budget:
             return ids, len(ids), None, None, None
         if self.spec.on_too_long == "truncate" and budget > 0:
