@@ -22,6 +22,8 @@ from conftest import job_config
 ROWS = [{"title": f"Kettle {i}", "description": f"Boils water fast, model {i}."}
         for i in range(12)]
 LABELS = ["yes", "no"]
+# the sampling section's penalties reach vLLM: the reference is given the same
+PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.4}
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +40,10 @@ def _run(tiny_model, rows_file, out, **sections):
 
 @pytest.fixture(scope="session")
 def free_job(tiny_model, ray_cluster, rows_file):
-    """Free generation, greedy, with the tokens' logprobs and their top 3 alternatives."""
-    return _run(tiny_model, rows_file, rows_file.parent / "free", output={"logprobs": 3})
+    """Free generation, greedy, penalised, with the tokens' logprobs and their top 3
+    alternatives."""
+    return _run(tiny_model, rows_file, rows_file.parent / "free", output={"logprobs": 3},
+                sampling=PENALTIES)
 
 
 @pytest.fixture(scope="session")
@@ -59,8 +63,12 @@ def test_logprobs_equal_vllms_own_for_the_same_greedy_requests(free_job, llm):
     prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=renderer.render_row(r)[0])
                for r in ROWS]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=config.sampling.max_tokens,
-                                 logprobs=3)
+                                 logprobs=3, **PENALTIES)
     theirs = llm.generate(prompts, params, use_tqdm=False)
+    plain = llm.generate(prompts, vllm.SamplingParams(
+        temperature=0.0, max_tokens=config.sampling.max_tokens), use_tqdm=False)
+    assert out["rewritten"].to_list() == [t.outputs[0].text for t in theirs]
+    assert out["rewritten"].to_list() != [t.outputs[0].text for t in plain]  # they tell
     assert out["error"].null_count() == len(ROWS)
     compared = 0
     for ours, their in zip(out["logprobs"].to_list(), theirs):
