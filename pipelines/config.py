@@ -287,19 +287,19 @@ class JobConfig(_Strict):
         wrong = []
         if task != "generate":
             # (embed: a row's own dimensions may come from sampling.overrides_column)
-            wrong += [f"sampling.{k}" for k in sorted(self.sampling.model_fields_set)
+            wrong += [f"sampling.{k}" for k in _changed(self.sampling)
                       if not (task == "embed" and k == "overrides_column")]
             wrong += ["structured"] * (self.structured is not None)
             wrong += [f"output.{k}" for k in ("parsed_column", "dedupe", "logprobs",
                                                "logprobs_column", "confidence_column")
-                      if k in self.output.model_fields_set]
+                      if k in _changed(self.output)]
             wrong += [f"prompt.{k}" for k in ("messages_column", "system")
                       if getattr(self.prompt, k) is not None]
         if task != "score" and self.prompt.pair_template is not None:
             wrong.append("prompt.pair_template")
         if task != "embed":
             wrong += [f"output.{k}" for k in ("normalize", "dimensions")
-                      if k in self.output.model_fields_set]
+                      if k in _changed(self.output)]
         if task != "classify" and self.output.labels is not None:
             wrong.append("output.labels")
         if wrong:
@@ -382,6 +382,14 @@ class JobConfig(_Strict):
         if self.input.id_column is None:
             added.insert(0, columns.ROW_ID)
         return added
+
+
+def _changed(section: BaseModel) -> list[str]:
+    """The keys of a section set to something other than their default. Not
+    ``model_fields_set``: a config dumped and loaded again (``model_dump``) sets every key."""
+    fields = type(section).model_fields
+    return sorted(k for k, f in fields.items()
+                  if getattr(section, k) != f.get_default(call_default_factory=True))
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
