@@ -282,7 +282,8 @@ class _Health:
             except Exception:  # noqa: BLE001 - Ray going away: the job's own error says why
                 return
             self.samples.append({"t": time.time(), "tokens": counts["tokens"],
-                                 "requests": counts["requests"]})
+                                 "requests": counts["requests"],
+                                 "idle_s": counts.get("idle_s", 0)})
             progress.update_live(counts)
 
     def close(self) -> dict:

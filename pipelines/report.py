@@ -91,6 +91,8 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
         if samples:  # the throughput as the replicas generated it, not as parts landed
             report["samples"] = [{"t": round(s["t"] - timings["started"], 2),
                                   "tokens": s["tokens"]} for s in samples]
+            # engines waiting for blocks, summed over replicas: a starved engine shows here
+            report["time"]["engine_idle_s"] = round(samples[-1].get("idle_s", 0), 2)
     report["sample_rows"] = _sample_rows(output, config, key)
     return report
 
@@ -278,6 +280,9 @@ def report_lines(report: dict) -> list[str]:
                      f"(pre-flight {t['preflight_s']:.1f}, Ray {t['ray_start_s']:.1f}, "
                      f"engines {t['engine_start_s']:.1f}) + generation "
                      f"{t['generation_s']:.1f} s + finish {t['finish_s']:.1f} s")
+        if t.get("engine_idle_s") is not None:
+            lines.append(f"engines idle {t['engine_idle_s']:.1f} s of the generation, waiting "
+                         "for blocks (summed over replicas)")
         th = report["throughput"]
         lines.append(f"throughput   {th['output_tokens_per_s']:,.0f} output tok/s over the "
                      "generation" if th["output_tokens"] or "rows_per_s" not in th else

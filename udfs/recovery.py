@@ -78,7 +78,7 @@ class EngineHealth:
     def snapshot(self) -> dict:
         """Requests finished, their tokens, and tokens generated, over every engine so far."""
         keys = ("requests", "tokens_finished", "tokens", "requests_seen", "cap_seen",
-                "cap_finished")
+                "cap_finished", "idle_s")
         return {k: sum(c.get(k, 0) for c in self.live.values()) for k in keys}
 
     def begin(self, key: int, size: int) -> dict:

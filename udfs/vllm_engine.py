@@ -161,7 +161,7 @@ class VLLMEngine:
         return {"requests": s.requests_done, "tokens_finished": s.tokens_finished,
                 "tokens": max(s.tokens_live, s.tokens_finished),
                 "requests_seen": s.requests_seen, "cap_seen": s.cap_seen,
-                "cap_finished": s.cap_finished}
+                "cap_finished": s.cap_finished, "idle_s": round(s.idle_s, 3)}
 
     def close(self) -> None:
         stepper = getattr(self, "_stepper", None)
@@ -231,6 +231,9 @@ class _Stepper:
         self._counted_at = 0.0
         # and the token budget: max_tokens of the requests seen, and of those finished
         self.requests_seen = self.cap_seen = self.cap_finished = 0
+        # seconds the engine had nothing to do once work had come: blocks not arriving in
+        # time (the run report shows it as a share of the generation)
+        self.idle_s = 0.0
         self.broken: BaseException | None = None
         self.stopping = False
         self.wake = threading.Event()
@@ -297,8 +300,11 @@ class _Stepper:
                     self._add(*self.waiting.pop())
                 if not llm_engine.has_unfinished_requests():
                     self.busy_since = None
+                    waited = time.monotonic()
                     self.wake.wait(timeout=0.5)
                     self.wake.clear()
+                    if self.requests_seen:
+                        self.idle_s += time.monotonic() - waited
                     continue
                 if self.busy_since is None:
                     self.busy_since = time.monotonic()
