@@ -122,7 +122,9 @@ class PromptConfig(_Strict):
         None, description="task: score: the second text of each pair (the document; "
         "template is the query), a Jinja template over the row's columns.")
     system: str | None = Field(None, description="System message (chat models).")
-    chat: bool = Field(True, description="Apply the model's chat template when it has one.")
+    chat: bool | None = Field(
+        None, description="Apply the model's chat template when it has one; default: yes "
+        "for task: generate, no for a pooling task (the text is embedded as it is).")
     on_too_long: Literal["error", "skip", "truncate"] = Field(
         "error",
         description="A prompt that cannot fit max_model_len with max_tokens: mark the row "

@@ -33,12 +33,14 @@ def plan_pooling(config: JobConfig) -> tuple[JobConfig, PoolingSpec]:
                            "with one output (a cross-encoder or reward model, "
                            "*ForSequenceClassification with num_labels 1); this one has "
                            f"{_describe(hf)}")
-    else:
+    elif config.sampling.overrides_column is None:
         size = config.output.dimensions or embedding_size(config.model.name, hf)
+    # (rows that set their own dimensions: a list column, each vector as long as asked)
     return config, PoolingSpec(task=config.task, output_column=config.output.column,
                                labels=labels, size=size,
                                normalize=config.output.normalize if config.task == "embed"
-                               else None, dimensions=config.output.dimensions)
+                               else None, dimensions=config.output.dimensions,
+                               overrides_column=config.sampling.overrides_column)
 
 
 def max_seq_length(name: str) -> int | None:

@@ -88,7 +88,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         max_model_len=max_model_len, max_tokens=0 if pooling else config.sampling.max_tokens,
         system=config.prompt.system,
         # a pooling model embeds the text as it is, unless asked for the chat template
-        chat=config.prompt.chat and (pooling is None or "chat" in config.prompt.model_fields_set),
+        chat=config.prompt.chat if config.prompt.chat is not None else pooling is None,
         on_too_long=config.prompt.on_too_long, on_null=config.prompt.on_null,
         trust_remote_code=config.model.trust_remote_code,
         messages_column=config.prompt.messages_column,

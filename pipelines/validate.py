@@ -15,6 +15,7 @@ from pipelines.preflight import JobPlan, plan_job
 from pipelines.read import read_block
 from pipelines.storage import redact
 from udfs import columns
+from udfs.pooler import PairRenderer
 from udfs.prompts import PromptRenderer
 
 EXAMPLES = 3
@@ -39,7 +40,8 @@ class ValidationReport:
         out = [f"input: {len(p.input.files)} {p.input.format} file(s), {self.rows} rows, "
                f"{len(p.input.blocks)} blocks of up to {p.config.resources.batch_size}",
                f"model: {p.config.model.name} (max_model_len {p.render.max_model_len}, "
-               f"max_tokens {p.render.max_tokens})"]
+               + (f"task {p.config.task})" if p.pooling else
+                  f"max_tokens {p.render.max_tokens})")]
         if p.engine.kind == "http":
             o = p.engine.options
             out.append(f"server: {redact(o['base_url'])} serves "
@@ -76,7 +78,8 @@ def _dtype_line(configured: str) -> str:
 
 def validate_job(config: JobConfig) -> ValidationReport:
     plan = plan_job(config)
-    renderer = PromptRenderer(plan.render)
+    renderer = (PairRenderer(plan.render, plan.config.prompt.pair_template)
+                if plan.pooling and plan.pooling.task == "score" else PromptRenderer(plan.render))
     report = ValidationReport(plan=plan)
     key = config.input.id_column or columns.ORDINAL
     for block in plan.input.blocks:

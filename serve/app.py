@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException
 from serve.runner import INPUT, Runner
 from serve.store import Store, new_id
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # what ``overnight batch`` runs
+# what ``overnight batch`` runs (embeddings as a task: embed job, pipelines/batch_embeddings.py)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 WINDOW = 24 * 3600  # the hosted API's only completion_window, "24h"
 
 
@@ -185,7 +186,7 @@ def _new_batch(store: Store, owner: str, params: dict, model: str) -> dict:
                            code="missing_required_parameter")
     if params["endpoint"] not in ENDPOINTS:
         raise APIError(400, f"Invalid value for 'endpoint': {params['endpoint']!r}. overnight "
-                       "serve runs " + " and ".join(ENDPOINTS) + ".", param="endpoint",
+                       "serve runs " + ", ".join(ENDPOINTS) + ".", param="endpoint",
                        code="invalid_value")
     if params["completion_window"] != "24h":
         raise APIError(400, "Invalid value for 'completion_window': only '24h' is supported.",

@@ -11,6 +11,9 @@ With ``endpoint: completions`` (the default) the prompt is sent as the token ids
 made, so the server generates from exactly the tokens the in-process engine would; with
 ``endpoint: chat`` the rendered messages are sent and the server applies its chat template
 (for servers that take no token ids).
+
+A pooling task (``task: embed | score | classify``) goes through ``pool``: the token ids to
+``/v1/embeddings`` or ``/classify``, a score's two texts to ``/v1/score`` (vLLM's endpoints).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Sequence
 
 import httpx
 
-from udfs.engine import EngineSpec, GenerationRequest, GenerationResult, token_logprob
+from udfs.engine import (EngineSpec, GenerationRequest, GenerationResult, PoolingRequest,
+                         PoolingResult, token_logprob)
 from udfs.redact import scrub
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -128,6 +132,35 @@ def parse_logprobs(endpoint: str, logprobs: dict | None) -> list[dict] | None:
         for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], tops)]
 
 
+def pooling_call(options: HTTPOptions, r: PoolingRequest) -> tuple[str, dict]:
+    """The URL and body of one pooling request: the token ids the renderer made (a score's
+    pair as its two texts: the server tokenizes a pair itself)."""
+    if r.task == "embed":
+        body: dict = {"model": options.model, "input": list(r.prompt_token_ids),
+                      "encoding_format": "float"}
+        if r.dimensions is not None:
+            body["dimensions"] = r.dimensions
+        if r.normalize is False:  # vLLM's extension; the default is normalized
+            body["use_activation"] = False
+        return f"{options.base_url}/embeddings", body
+    if r.task == "score":
+        query, document = r.texts
+        return f"{options.base_url}/score", {"model": options.model, "queries": query,
+                                              "documents": document}
+    # vLLM serves /classify at the server's root, beside /v1
+    root = options.base_url.removesuffix("/v1")
+    return f"{root}/classify", {"model": options.model, "input": list(r.prompt_token_ids)}
+
+
+def parse_pooling(task: str, data: dict) -> list[float]:
+    item = data["data"][0]
+    if task == "embed":
+        return [float(x) for x in item["embedding"]]
+    if task == "score":
+        return [float(item["score"])]
+    return [float(x) for x in item["probs"]]
+
+
 def server_message(response: httpx.Response) -> str:
     """The server's own words for a failed request, on one line."""
     try:
@@ -190,27 +223,58 @@ class HTTPEngine:
         return await asyncio.gather(*(self._one(r) for r in requests))
 
     async def _one(self, request: GenerationRequest) -> GenerationResult:
-        body = request_body(self.options, request)
+        data, error = await self._post(self.url, request_body(self.options, request))
+        if error is not None:
+            return _failed(error)
+        try:
+            return parse_response(self.options.endpoint, data)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            return _failed(f"unreadable response from the server: {exc!r}"[:300])
+
+    def pool(self, requests: Sequence[PoolingRequest]) -> list[PoolingResult]:
+        """task: embed | score | classify through the server's pooling endpoints (vLLM's
+        /v1/embeddings, /v1/score, /classify), as many in flight as ``generate`` keeps."""
+        results = self._call(self._pool_all(requests))
+        self._done += len(results)
+        return results
+
+    async def _pool_all(self, requests):
+        return await asyncio.gather(*(self._pool(r) for r in requests))
+
+    async def _pool(self, request: PoolingRequest) -> PoolingResult:
+        url, body = pooling_call(self.options, request)
+        data, error = await self._post(url, body)
+        if error is not None:
+            return PoolingResult(None, error=scrub(error))
+        try:
+            return PoolingResult(parse_pooling(request.task, data))
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            return PoolingResult(None, error=f"unreadable response from the server: "
+                                             f"{exc!r}"[:300])
+
+    async def _post(self, url: str, body: dict) -> tuple[dict | None, str | None]:
+        """The server's JSON answer, or the request's error: a connection error, a timeout,
+        a 429 or a 5xx retried with backoff; another 4xx at once, with the server's words."""
         last = "no attempt"
         for attempt in range(self.options.max_retries + 1):
             response = None
             async with self.slots:
                 try:
-                    response = await self.client.post(self.url, json=body)
+                    response = await self.client.post(url, json=body)
                 except httpx.TransportError as exc:  # connection refused/reset, timeouts
                     last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if response is not None:
                 if response.status_code == 200:
                     try:
-                        return parse_response(self.options.endpoint, response.json())
-                    except (ValueError, KeyError, IndexError, TypeError) as exc:
-                        return _failed(f"unreadable response from the server: {exc!r}"[:300])
+                        return response.json(), None
+                    except ValueError as exc:
+                        return None, f"unreadable response from the server: {exc!r}"[:300]
                 last = f"HTTP {response.status_code}: {server_message(response)}"
                 if response.status_code not in RETRY_STATUS:
-                    return _failed(last)
+                    return None, last
             if attempt < self.options.max_retries:
                 await asyncio.sleep(retry_delay(attempt, self.options.backoff_s, response))
-        return _failed(f"gave up after {self.options.max_retries} retries; last: {last}")
+        return None, f"gave up after {self.options.max_retries} retries; last: {last}"
 
     def close(self) -> None:
         if self.loop.is_running():
