@@ -94,10 +94,11 @@ class RunSummary:
 
 
 def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int],
-                  only_rows: dict[int, list[int]] | None = None, health: str | None = None):
+                  only_rows: dict[int, list[int]] | None = None, health: str | None = None,
+                  others: bool = False):
     """The Ray Data chain; each stage is one ``map_batches`` over whole blocks."""
     replicas = plan_replicas(plan.config)
-    ds = read_dataset(plan.input, skip_blocks, only_rows)
+    ds = read_dataset(plan.input, skip_blocks, only_rows, others)
     if ds is None:
         return None
     engine = plan.engine
@@ -164,10 +165,12 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
                                                plan.input.num_rows), set()
             todo = sum(len(rows) for rows in only_rows.values())
         else:
-            only_rows, done = None, store.open(plan.fingerprint, overwrite=overwrite,
-                                               rows_total=plan.input.num_rows,
-                                               block_starts=block_starts)
-            todo = sum(b.num_rows for b in plan.input.blocks if b.ordinal not in done)
+            done = store.open(plan.fingerprint, overwrite=overwrite,
+                              rows_total=plan.input.num_rows, block_starts=block_starts)
+            # of blocks written in part by an interrupted run, only the rows still to run
+            only_rows = store.remaining or None
+            todo = sum(len(only_rows[b.ordinal]) if only_rows and b.ordinal in only_rows
+                       else b.num_rows for b in plan.input.blocks if b.ordinal not in done)
     except OSError as exc:  # permissions, a full disk, an object store refusing
         raise OutputError(f"output.path {str(store.path)!r}: cannot write there: "
                           f"{' '.join(str(exc).split())[:300]}") from None
@@ -197,7 +200,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
                                                                    store.staging) if loc.local])
         _quiet_ray_data(verbose)
         health = _Health(plan.config.engine.max_restarts, progress)
-        ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name)
+        ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name,
+                           others=not retry_errors)
         try:
             # watch(): a job that writes nothing for a while says what it waits for
             for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),

@@ -535,12 +535,13 @@ class TableDatasource(Datasource):
 
 
 def read_dataset(plan: InputPlan, skip_blocks: frozenset[int] = frozenset(),
-                 only_rows: dict[int, list[int]] | None = None):
+                 only_rows: dict[int, list[int]] | None = None, others: bool = False):
     """A Ray Dataset over the plan's blocks, leaving out those whose first ordinal is in
     ``skip_blocks`` (written by an earlier run of the same job); with ``only_rows``, just
-    those blocks, and in each just the rows at the given positions. None if nothing is left."""
+    those blocks, and in each just the rows at the given positions (with ``others``, the
+    other blocks too, whole). None if nothing is left."""
     todo = [b for b in plan.blocks if b.ordinal not in skip_blocks
-            and (only_rows is None or b.ordinal in only_rows)]
+            and (only_rows is None or others or b.ordinal in only_rows)]
     if not todo:
         return None
     # Reading is light: a fraction of a CPU, so it never starves the engine on a small machine.

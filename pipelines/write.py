@@ -340,6 +340,8 @@ class OutputStore:
         self.path = Location.of(path)
         self.staging = self.path.sibling(".partial")
         self.record = self.path.sibling(".overnight.json")
+        # after open(): the rows still to run of blocks an interrupted run wrote in part
+        self.remaining: dict[int, list[int]] = {}
 
     def read_record(self) -> dict | None:
         try:
@@ -377,18 +379,17 @@ class OutputStore:
         return set()
 
     def _resume(self, block_starts: tuple[int, ...], rows_total: int) -> set[int]:
-        """The blocks the staged parts cover whole. Superseded parts, and parts of a block
-        only partly written (its other rows were in flight when the run stopped), are removed:
-        those blocks run again, whole."""
+        """The blocks the staged parts cover whole. Superseded parts are removed. Of a block
+        only partly written (its other rows were in flight when the run stopped), the rows
+        still to run are kept in ``self.remaining`` ({block start: positions in the block}):
+        the rows written are not read again."""
         kept, superseded = list_parts(self.staging)
         for part in superseded:
             (self.staging / part.name).remove()
         if not block_starts:  # no plan given: each part stands for the block it starts
             return {p.start for p in kept}
         done, partial = covered_blocks(kept, block_starts, rows_total)
-        for part in kept:
-            if _block_of(part.start, block_starts) in partial:
-                (self.staging / part.name).remove()
+        self.remaining = missing_rows(kept, partial, block_starts, rows_total)
         return done
 
     def done_blocks(self, block_starts: tuple[int, ...] = (), rows_total: int = 0) -> set[int]:
@@ -518,8 +519,16 @@ def covered_blocks(parts: list[Part], block_starts: tuple[int, ...],
     return done, partial
 
 
-def _block_of(ordinal: int, block_starts: tuple[int, ...]) -> int:
-    return block_starts[bisect.bisect_right(block_starts, ordinal) - 1]
+def missing_rows(parts: list[Part], blocks: set[int], block_starts: tuple[int, ...],
+                 rows_total: int) -> dict[int, list[int]]:
+    """Of each block in ``blocks``, the positions (from the block's start) no part holds."""
+    ends = dict(zip(block_starts, (*block_starts[1:], rows_total)))
+    have = {start: np.zeros(ends[start] - start, dtype=bool) for start in blocks}
+    for part in parts:
+        start = block_starts[bisect.bisect_right(block_starts, part.start) - 1]
+        if start in have and part.end is not None:
+            have[start][part.start - start:min(part.end, ends[start]) - start] = True
+    return {start: np.flatnonzero(~held).tolist() for start, held in sorted(have.items())}
 
 
 def diff_fingerprints(old: dict, new: dict) -> list[str]:

@@ -62,15 +62,21 @@ def test_rows_handed_over_twice_are_written_once(tmp_path):
     assert [p.name for p in superseded] == [part_name(0, 2)]
 
 
-def test_a_resume_keeps_whole_blocks_and_reruns_blocks_written_in_part(tmp_path):
+def test_a_resume_runs_only_the_rows_not_written(tmp_path):
     store = OutputStore(str(tmp_path / "out"))
     store.staging.mkdir()
     writer = PartWriter(PartLayout(staging=store.staging, **LAYOUT))
     writer(rows([0, 1, 2, 3]))
-    writer(rows([4, 5]))  # block 4 half written when the run stopped
+    writer(rows([5, 6]))  # block 4 in part when the run stopped: rows 4 and 7 were in flight
     writer(rows([8, 9]))
     assert store._resume((0, 4, 8), 10) == {0, 8}
-    assert [p.name for p in list_parts(store.staging)[0]] == [part_name(0, 4), part_name(8, 10)]
+    assert store.remaining == {4: [0, 3]}  # positions in the block
+    assert [p.name for p in list_parts(store.staging)[0]] == [
+        part_name(0, 4), part_name(5, 7), part_name(8, 10)]
+    writer(rows([4, 7]))  # the resumed run: one batch, two runs of rows
+    parts = list_parts(store.staging)[0]
+    assert covered_blocks(parts, (0, 4, 8), 10) == ({0, 4, 8}, set())
+    assert [p.name for p in parts][1:4] == [part_name(4, 5), part_name(5, 7), part_name(7, 8)]
 
 
 def test_compaction_joins_parts_at_block_boundaries_and_finishes_after_a_stop(tmp_path):
