@@ -235,3 +235,15 @@ def test_score_on_a_three_label_model_is_one_line(tiny_classifier, tmp_path):
     with pytest.raises(JobError, match=r"task: score needs a model with one output .* "
                                        r"LlamaForSequenceClassification, num_labels 3"):
         plan_job(config)
+
+
+def test_validate_names_the_task_and_the_rows_that_will_fail(tiny_scorer, tmp_path):
+    from pipelines.validate import validate_job
+
+    config = _job(tiny_scorer, tmp_path, "validated", "score",
+                  prompt={"template": "{{ title }}", "pair_template": "{{ description }}"})
+    lines = validate_job(config).lines()
+    assert f"model: {tiny_scorer} (max_model_len 512, task score)" in lines
+    for kind, sku in (("null_field", "P003"), ("prompt_too_long", "P007")):
+        assert any(line.startswith(f"will fail: 1 rows {kind}, e.g. row {sku!r}")
+                   for line in lines), lines

@@ -224,7 +224,7 @@ def test_a_malformed_file_fails_its_batch_as_the_hosted_api_reports_it(server, t
         client.files.create(file=("big.jsonl", b"x" * (9 << 20)), purpose="batch")
     assert caught.value.status_code == 413 and error_of(caught.value)["param"] == "file"
     with pytest.raises(openai.BadRequestError) as caught:
-        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/moderations",
                               completion_window="24h")
     assert error_of(caught.value)["param"] == "endpoint"
     with pytest.raises(openai.NotFoundError) as caught:

@@ -201,7 +201,10 @@ class PromptRenderer:
     def tokenize_batch(self, texts: list[str], chat: bool) -> list[list[int]]:
         """``tokenize`` of each text, in one call: the same ids."""
         backend = getattr(self.tokenizer, "_tokenizer", None)  # a fast tokenizer's own
-        if backend is not None and hasattr(backend, "encode_batch"):
+        # (not where its tokenizer.json pads or truncates: all-MiniLM-L6-v2's pads every
+        # text to 128 with zeros, which encode() leaves to the caller)
+        if backend is not None and hasattr(backend, "encode_batch") \
+                and backend.padding is None and backend.truncation is None:
             return [e.ids for e in backend.encode_batch(texts, add_special_tokens=not chat)]
         return self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
 
