@@ -23,6 +23,7 @@ from pipelines.watchdog import watch
 from pipelines.compact import compact
 from pipelines.write import OutputStore, PartLayout, PartWriter, RetryWriter
 from udfs import columns
+from udfs.chain import chain_named_for
 from udfs.columns import ErrorKind
 from udfs.parsers import OutputParser
 from udfs.pooler import Pooler
@@ -109,31 +110,41 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     # pooler (udfs/pooler.py) likewise
     shared = {"engine": engine, "render": plan.render, "health": health,
               "stall_timeout_s": plan.config.engine.stall_timeout_s}
-    ds = ds.map_batches(Predictor if plan.pooling is None else Pooler,
-                        fn_constructor_kwargs={**shared, "sampling": plan.sampling,
-                                               "output_column": plan.config.output.column}
-                        if plan.pooling is None else
-                        {**shared, "pooling": plan.pooling,
-                         "pair_template": plan.config.prompt.pair_template},
+    stage = ((Predictor, {**shared, "sampling": plan.sampling,
+                          "output_column": plan.config.output.column})
+             if plan.pooling is None else
+             (Pooler, {**shared, "pooling": plan.pooling,
+                       "pair_template": plan.config.prompt.pair_template}))
+    # Parts are written as they come, where the rows are: in the last stage's actors, a pool
+    # as large as the engines' (udfs/chain.py says why). A re-run of rows with errors merges
+    # each block whole: one writer, a stage of its own.
+    retry = layout.merge_from is not None
+    writer = (RetryWriter if retry else PartWriter, {"layout": layout})
+    after = []  # the stages after the engine's, in actors of their own
+    if plan.structured is not None:
+        after.append((OutputParser, {"spec": plan.structured,
+                                     "output_column": plan.config.output.column}))
+    if retry:
+        after.append(writer)
+    engine_stages = [stage] if after else [stage, writer]
+    ds = ds.map_batches(chain_named_for(engine_stages),
+                        fn_constructor_kwargs={"stages": engine_stages},
                         # by rows, not whole blocks (Ray Data insists on it for GPU stages):
-                        # the writer puts blocks back together
+                        # a block may come in pieces, each written as a part of its own
                         batch_format="pyarrow", batch_size=plan.config.resources.batch_size,
                         **replicas.remote_args(),
                         compute=_pool(replicas.replicas,
                                       concurrent_blocks=plan.config.resources.blocks_in_flight))
-    if plan.structured is not None:
-        ds = ds.map_batches(OutputParser,
-                            fn_constructor_kwargs={"spec": plan.structured,
-                                                   "output_column": plan.config.output.column},
+    if after:
+        if not retry:
+            after.append(writer)
+        pool = 1 if retry else replicas.replicas
+        # the parse and write stages' share of the light stages' CPUs, whatever the pool's size
+        # (pipelines/resources.py plans the cluster for it)
+        ds = ds.map_batches(chain_named_for(after), fn_constructor_kwargs={"stages": after},
                             batch_format="pyarrow", batch_size=None,
-                            num_cpus=LIGHT_STAGE_CPUS, compute=_pool(1))
-    # Parts are written as they come, by a pool of writers as large as the engines' (a
-    # re-run of rows with errors merges each block whole: one writer)
-    retry = layout.merge_from is not None
-    return ds.map_batches(RetryWriter if retry else PartWriter,
-                          fn_constructor_kwargs={"layout": layout},
-                          batch_format="pyarrow", batch_size=None, num_cpus=LIGHT_STAGE_CPUS,
-                          compute=_pool(1 if retry else replicas.replicas))
+                            num_cpus=round(2 * LIGHT_STAGE_CPUS / pool, 4), compute=_pool(pool))
+    return ds
 
 
 def _pool(size: int, concurrent_blocks: int = 1):
