@@ -27,8 +27,14 @@ demo: setup models/smollm2/config.json
 	$(BIN)/overnight run configs/demo.yaml --overwrite
 	$(BIN)/python -c "import polars as pl; pl.Config.set_fmt_str_lengths(90); print(pl.read_parquet('out/demo').select('sku', 'title', 'rewritten', 'finish_reason', 'error'))"
 
+# The pooling tests build and drop in-process vLLM pooling engines, which tears down vLLM's
+# process-wide parallel state under the session's shared engine (and vLLM's kernel scan trips
+# over Flask's proxies, which the object-store tests import): each runs in a pytest of its own.
+POOLING_TESTS := tests/test_http_pooling.py tests/test_pooling.py
 test: setup models/smollm2/config.json
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(POOLING_TESTS))
+	$(BIN)/python -m pytest -q tests/test_http_pooling.py
+	$(BIN)/python -m pytest -q tests/test_pooling.py
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py
