@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipelines.read import _conform  # a block given the input's schema: the same cast
 from pipelines.storage import Location
 from pipelines.write import COUNTED, Part, count_part, list_parts, part_name, read_part
 
@@ -122,12 +123,6 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
         if name != group.name:
             (staging / name).remove()
     return stats.result(group.name)
-
-
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    arrays = [table.column(f.name).cast(f.type) if f.name in table.column_names
-              else pa.nulls(table.num_rows, f.type) for f in schema]
-    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 class StatsBuilder:
