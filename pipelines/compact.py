@@ -23,7 +23,9 @@ import pyarrow.parquet as pq
 
 from pipelines.read import _conform  # a block given the input's schema: the same cast
 from pipelines.storage import Location
-from pipelines.write import COUNTED, Part, count_part, list_parts, part_name, read_part
+from pipelines.write import (COUNTED, Part, add_steps, count_part, list_parts, part_name,
+                             part_steps, read_part)
+from udfs import columns
 
 ROW_GROUP_BYTES = 64 << 20  # Arrow bytes buffered per row group written (readers like ~64 MiB)
 STATS_EXAMPLES = 5  # ids kept per error kind, for the report
@@ -100,6 +102,7 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
         with (staging / name).open() as handle:
             schemas.append(pq.read_schema(handle))
     schema = pa.unify_schemas(schemas, promote_options="permissive")
+    schema = schema.with_metadata(_file_metadata(schemas))
     stats = StatsBuilder(key_column)
 
     def write(tmp):
@@ -107,9 +110,10 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
         with pq.ParquetWriter(tmp, schema) as out:
             for name in group.names:
                 table = read_part(staging / name)
+                stats.add(table)  # (with the part's own metadata: a job with steps' counts)
+                table = table.replace_schema_metadata(schema.metadata)
                 if table.schema != schema:
                     table = _conform(table, schema)
-                stats.add(table)
                 buffered.append(table)
                 size += table.nbytes
                 if size >= ROW_GROUP_BYTES:
@@ -125,6 +129,21 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
     return stats.result(group.name)
 
 
+def _file_metadata(schemas: list[pa.Schema]) -> dict:
+    """A file's metadata from its parts': the job's (the same on each), and a job with steps'
+    counts added up."""
+    meta = {k: v for k, v in (schemas[0].metadata or {}).items()
+            if k != columns.STEPS_METADATA}
+    found = [s for s in map(part_steps, schemas) if s is not None]
+    if found:
+        steps: list[dict] = []
+        for part in found:
+            steps = add_steps(steps, part["steps"])
+        meta[columns.STEPS_METADATA] = json.dumps(
+            {"input_rows": sum(p["input_rows"] for p in found), "steps": steps}).encode()
+    return meta
+
+
 class StatsBuilder:
     """A file's counts, added up part by part: ``count_part``'s numbers, the token counts as
     {value: rows} (exact percentiles and histograms from a few numbers per file), and a few
@@ -135,15 +154,16 @@ class StatsBuilder:
         self.counts = {"input_rows": 0, "rows": 0, "skipped": 0, "prompt_tokens": 0,
                        "completion_tokens": 0}
         self.errors: dict[str, int] = {}
+        self.steps: list[dict] | None = None  # a job with steps: per-step counts
         self.values: dict[str, dict[int, int]] = {"prompt_tokens": {}, "completion_tokens": {}}
         self.examples: dict[str, list] = {}
 
     def add(self, table: pa.Table) -> None:
-        from udfs import columns
-
         counted = count_part(table, self.key_column)
         for key in self.counts:
             self.counts[key] += counted[key]
+        if counted["steps"] is not None:
+            self.steps = add_steps(self.steps or [], json.loads(counted["steps"]))
         for kind, n in json.loads(counted["errors"]).items():
             self.errors[kind] = self.errors.get(kind, 0) + n
             shown = self.examples.setdefault(kind, [])
@@ -162,6 +182,7 @@ class StatsBuilder:
 
     def result(self, name: str) -> dict:
         return {"part": name, **self.counts, "errors": json.dumps(self.errors),
+                "steps": self.steps,
                 "error_examples": self.examples,
                 "values": {c: sorted(v.items()) for c, v in self.values.items()}}
 

@@ -186,6 +186,68 @@ class StructuredConfig(_Strict):
         return self
 
 
+STEP_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class StepConfig(_Strict):
+    """One step of a job of several (``steps:``): a generation with its own prompt, sampling,
+    structured output and column; or, with only ``where``, a filter."""
+
+    name: str = Field(pattern=STEP_NAME, description="The step's name: the report's, and "
+                      "its output column's unless ``column`` names another.")
+    where: str | None = Field(
+        None, description="Only rows for which this condition holds go on to this step; the "
+        "rest are dropped here. A polars SQL expression over the columns so far, e.g. "
+        "\"judge.score >= 4\" (a struct's field by a dot), \"length(answer) > 20\".")
+    prompt: PromptConfig | None = Field(
+        None, description="The step's prompt, over the source columns and earlier steps' "
+        "columns (a structured step's fields as {{ judge.score }}); none: a filter step.")
+    sampling: SamplingConfig = SamplingConfig()
+    structured: StructuredConfig | None = None
+    column: str | None = Field(
+        None, description="The step's output column; default: the step's name.")
+    explode: bool = Field(
+        False, description="With a structured.json_schema of type array: one row per "
+        "element, the element in the step's column and its position in <column>_index.")
+
+    @model_validator(mode="after")
+    def _generates_or_filters(self) -> StepConfig:
+        if self.prompt is None:
+            if self.where is None:
+                raise ValueError("a step needs a prompt (it generates) or a where (it filters)")
+            given = [k for k in ("sampling", "structured", "column", "explode")
+                     if k in self.model_fields_set]
+            if given:
+                raise ValueError(f"{given[0]} does not apply to a step without a prompt (a "
+                                 "filter step generates nothing)")
+            return self
+        if self.prompt.pair_template is not None:
+            raise ValueError("prompt.pair_template does not apply to a step (task: score)")
+        for key in ("overrides_column", "max_tokens_column"):
+            if getattr(self.sampling, key) is not None:
+                raise ValueError(f"sampling.{key} does not apply to a step (a job with steps "
+                                 "takes its sampling from each step's config)")
+        if self.explode and (self.structured is None or self.structured.json_schema is None):
+            raise ValueError("explode needs structured.json_schema (of type array)")
+        return self
+
+    @property
+    def output_column(self) -> str | None:
+        return None if self.prompt is None else (self.column or self.name)
+
+    def added_columns(self) -> list[str]:
+        """The columns the step adds, in output order."""
+        c = self.output_column
+        if c is None:
+            return []
+        added = [c, *(columns.step_column(c, m) for m in columns.STEP_META)]
+        if self.structured is not None and self.structured.json_schema is not None:
+            added.insert(1, columns.step_column(c, "text"))
+        if self.explode or self.sampling.n > 1:
+            added.insert(0, columns.step_column(c, "index"))
+        return added
+
+
 class OutputConfig(_Strict):
     path: str = Field(description="Output directory of Parquet parts (created by the job).")
     column: str = Field("generated", description="Name of the generated-text column.")
@@ -213,6 +275,9 @@ class OutputConfig(_Strict):
         "confidence", description="With structured.choice: a column with the probability "
         "of the chosen label among the allowed labels, read from the same generation's "
         "logprobs; null for none.")
+    keep_dropped: bool = Field(
+        False, description="A job with steps: also write the rows a step's filter dropped, "
+        "with the step's name in a column dropped_by (default: not written, counted).")
     file_size_mb: float = Field(
         128, gt=0, description="The finished output's files are about this size (MiB on "
         "disk), in input order: the job's parts are compacted into them at the end.")
@@ -258,7 +323,11 @@ class JobConfig(_Strict):
         "top label and a probability per label (a sequence-classification model).")
     input: InputConfig
     model: ModelConfig
-    prompt: PromptConfig
+    prompt: PromptConfig | None = Field(
+        None, description="The job's prompt; a job of several steps gives each step its own.")
+    steps: list[StepConfig] | None = Field(
+        None, min_length=1, description="A job of several steps, run in order on each row by "
+        "one engine: generate, judge, filter (udfs/steps.py).")
     sampling: SamplingConfig = SamplingConfig()
     output: OutputConfig
     structured: StructuredConfig | None = None
@@ -283,8 +352,45 @@ class JobConfig(_Strict):
         return raw
 
     @model_validator(mode="after")
+    def _prompt_or_steps(self) -> JobConfig:
+        if (self.prompt is None) == (self.steps is None):
+            raise ValueError("give exactly one of prompt (a job of one step) and steps")
+        if self.steps is None:
+            if self.output.keep_dropped:
+                raise ValueError("output.keep_dropped applies to a job with steps (only a "
+                                 "step's filter drops rows); remove it")
+            return self
+        if self.task != "generate":
+            raise ValueError(f"steps does not apply to task: {self.task} (steps generate)")
+        wrong = [f"sampling.{k}" for k in _changed(self.sampling)]
+        wrong += ["structured"] * (self.structured is not None)
+        wrong += [f"output.{k}" for k in ("column", "parsed_column", "dedupe", "logprobs",
+                                           "logprobs_column", "confidence_column")
+                  if k in _changed(self.output)]
+        if wrong:
+            raise ValueError(f"{wrong[0]} does not apply to a job with steps; give each "
+                             "step its own (steps[].sampling, steps[].structured, "
+                             "steps[].column)")
+        names, taken = set(), set(columns.GENERATED) | {columns.DROPPED_BY, columns.ROW_ID}
+        for i, step in enumerate(self.steps):
+            if step.name in names:
+                raise ValueError(f"steps[{i}].name {step.name!r} is used by an earlier step")
+            names.add(step.name)
+            for name in step.added_columns():
+                if name in taken:
+                    raise ValueError(f"steps[{i}] ({step.name}) would add a column {name!r}, "
+                                     "which the job already has; name the step or its "
+                                     "column another way")
+                taken.add(name)
+        if all(step.prompt is None for step in self.steps):
+            raise ValueError("steps: no step has a prompt (the job would generate nothing)")
+        return self
+
+    @model_validator(mode="after")
     def _pooling_settings_apply(self) -> JobConfig:
         """Settings that cannot apply to the task: one line naming the first, not ignored."""
+        if self.steps is not None:
+            return self
         task = self.task
         wrong = []
         if task != "generate":
@@ -322,10 +428,11 @@ class JobConfig(_Strict):
 
     @model_validator(mode="after")
     def _truncation_needs_tokens(self) -> JobConfig:
-        if (self.prompt.on_too_long == "truncate" and self.engine.kind == "http"
+        # the server applies the chat template to whole messages: a prompt cut to fit as
+        # tokens cannot be sent as messages
+        prompts = [s.prompt for s in self.steps or () if s.prompt] or [self.prompt]
+        if any(p.on_too_long == "truncate" for p in prompts) and (self.engine.kind == "http"
                 and self.engine.endpoint == "chat"):
-            # the server applies the chat template to whole messages: a prompt cut to fit
-            # as tokens cannot be sent as messages
             raise ValueError("prompt.on_too_long: truncate needs engine.endpoint: completions "
                              "(with endpoint: chat the server gets whole messages); or use "
                              "on_too_long: error or skip")
@@ -359,6 +466,10 @@ class JobConfig(_Strict):
 
     def generated_columns(self) -> list[str]:
         """The columns the job adds to every source row, in output order."""
+        if self.steps is not None:
+            added = [c for step in self.steps for c in step.added_columns()]
+            added += [columns.DROPPED_BY] * self.output.keep_dropped + list(columns.GENERATED)
+            return ([columns.ROW_ID] if self.input.id_column is None else []) + added
         if self.task != "generate":
             return self._pooling_columns()
         added = [self.output.column, *columns.GENERATED]

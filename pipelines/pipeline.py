@@ -21,13 +21,14 @@ from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_repli
 from pipelines.storage import scrub_record
 from pipelines.watchdog import watch
 from pipelines.compact import compact
-from pipelines.write import OutputStore, PartLayout, PartWriter, RetryWriter
+from pipelines.write import OutputStore, PartLayout, PartWriter, RetryWriter, add_steps
 from udfs import columns
 from udfs.chain import chain_named_for
 from udfs.columns import ErrorKind
 from udfs.parsers import OutputParser
 from udfs.pooler import Pooler
 from udfs.predictor import Predictor
+from udfs.steps import StepsPredictor
 
 
 @dataclass
@@ -46,6 +47,7 @@ class RunSummary:
     structured: bool = False
     deduped: int | None = None  # with output.dedupe: duplicate samples dropped
     recovery: dict | None = None  # engine restarts, retried blocks, isolated rows
+    steps: list[dict] | None = None  # a job with steps: each step's counts (rows, tokens)
     report: dict | None = None  # the run report (pipelines/report.py), once committed
     report_path: str | None = None
 
@@ -62,6 +64,10 @@ class RunSummary:
         self.completion_tokens += record["completion_tokens"]
         for kind, n in json.loads(record["errors"]).items():
             self.errors[kind] = self.errors.get(kind, 0) + n
+        steps = record.get("steps")
+        if steps is not None:
+            self.steps = add_steps(self.steps or [], json.loads(steps)
+                                   if isinstance(steps, str) else steps)
 
     @property
     def rows_generated(self) -> int:
@@ -79,6 +85,8 @@ class RunSummary:
                        f"({100 * valid / max(self.rows_generated, 1):.1f}%)")
         if self.deduped is not None:
             out.append(f"dedupe: {self.deduped} duplicate samples dropped")
+        for step in self.steps or ():
+            out.append(step_line(step))
         return out
 
     def lines(self) -> list[str]:
@@ -110,11 +118,18 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     # pooler (udfs/pooler.py) likewise
     shared = {"engine": engine, "render": plan.render, "health": health,
               "stall_timeout_s": plan.config.engine.stall_timeout_s}
-    stage = ((Predictor, {**shared, "sampling": plan.sampling,
-                          "output_column": plan.config.output.column})
-             if plan.pooling is None else
-             (Pooler, {**shared, "pooling": plan.pooling,
-                       "pair_template": plan.config.prompt.pair_template}))
+    if plan.steps is not None:  # every step on this engine (udfs/steps.py)
+        stage = (StepsPredictor, {
+            "engine": engine, "steps": plan.steps, "health": health,
+            "stall_timeout_s": plan.config.engine.stall_timeout_s,
+            "key_column": plan.config.input.id_column or columns.ORDINAL,
+            "keep_dropped": plan.config.output.keep_dropped})
+    elif plan.pooling is None:
+        stage = (Predictor, {**shared, "sampling": plan.sampling,
+                             "output_column": plan.config.output.column})
+    else:
+        stage = (Pooler, {**shared, "pooling": plan.pooling,
+                          "pair_template": plan.config.prompt.pair_template})
     # Parts are written as they come, where the rows are: in the last stage's actors, a pool
     # as large as the engines' (udfs/chain.py says why). A re-run of rows with errors merges
     # each block whole: one writer, a stage of its own.
@@ -165,6 +180,9 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     With ``retry_errors``, only the rows of the committed output whose ``error`` is set run
     again, and their new results replace the old ones."""
     started = time.time()
+    if retry_errors and config.steps is not None:
+        raise JobError("--retry-errors does not apply to a job with steps yet (a row's steps "
+                       "run together); run the job again with --overwrite")
     plan = plan_job(config)
     planned = time.time()
     store = OutputStore(config.output.path)
@@ -197,6 +215,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         text_column=config.output.column,
         dedupe=config.output.dedupe,
         rows_total=plan.input.num_rows,
+        keep_dropped=config.output.keep_dropped,
+        metadata=((columns.JOB_METADATA, json.dumps(job_metadata(plan.config)).encode()),),
     )
     progress = progress or Progress(total=0, enabled=False)
     already = 0 if retry_errors else plan.input.num_rows - todo
@@ -265,6 +285,24 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         "finished": time.time()})
     summary.report_path = str(write_report(store.path, summary.report))
     return summary
+
+
+def job_metadata(config: JobConfig) -> dict:
+    """What every file of the output says of the job that wrote it: the columns it added, and
+    the prefix a later job reading this output names them by, where it would add the same
+    (pipelines/preflight.py: ``output.column`` + ``_finish_reason``...)."""
+    prefix = "job" if config.steps is not None else config.output.column
+    return {"prefix": prefix, "added": config.generated_columns()}
+
+
+def step_line(step: dict) -> str:
+    """One step's counts as the summary prints them."""
+    dropped = f", {step['dropped']} dropped" if step.get("dropped") else ""
+    errors = f", {step['errors']} with errors" if step.get("errors") else ""
+    tokens = (f"; tokens {step['prompt_tokens']} in, {step['completion_tokens']} out"
+              if step.get("prompt_tokens") or step.get("completion_tokens") else "")
+    return (f"step {step['name']}: {step['rows_in']} rows in, {step['rows_out']} out"
+            f"{dropped}{errors}{tokens}")
 
 
 class _Health:

@@ -39,6 +39,7 @@ class JobPlan:
     fingerprint: dict
     structured: StructuredSpec | None = None
     pooling: PoolingSpec | None = None  # task: embed | score | classify
+    steps: tuple | None = None  # a job of several steps: StepSpec each (udfs/steps.py)
 
     @property
     def fingerprint_hash(self) -> str:
@@ -48,7 +49,9 @@ class JobPlan:
 
 def plan_job(config: JobConfig) -> JobPlan:
     """Check the config against the input and the model; raise JobError on the first problem."""
-    if config.prompt.messages_column is not None:
+    if config.steps is not None:
+        variables = []  # each step's are checked against the columns it sees (steps.py)
+    elif config.prompt.messages_column is not None:
         variables = [config.prompt.messages_column]
     else:
         _, variables = _compile(config.prompt.template)
@@ -83,17 +86,27 @@ def plan_job(config: JobConfig) -> JobPlan:
     elif config.sampling.max_tokens >= max_model_len:
         raise ConfigError(f"sampling.max_tokens {config.sampling.max_tokens} leaves no room "
                           f"for a prompt in max_model_len {max_model_len}")
+    steps = None
+    if config.steps is not None:
+        from pipelines.steps import plan_steps
+
+        steps = plan_steps(config, plan.schema, max_model_len, structured_spec)
+        # the first generating step's, for what reads one job's prompt (overnight validate)
+        first = next(s for s in config.steps if s.prompt is not None)
+        config_prompt, config_sampling = first.prompt, first.sampling
+    else:
+        config_prompt, config_sampling = config.prompt, config.sampling
     render = RenderSpec(
-        template=config.prompt.template, tokenizer=config.model.name,
-        max_model_len=max_model_len, max_tokens=0 if pooling else config.sampling.max_tokens,
-        system=config.prompt.system,
+        template=config_prompt.template, tokenizer=config.model.name,
+        max_model_len=max_model_len, max_tokens=0 if pooling else config_sampling.max_tokens,
+        system=config_prompt.system,
         # a pooling model embeds the text as it is, unless asked for the chat template
-        chat=config.prompt.chat if config.prompt.chat is not None else pooling is None,
-        on_too_long=config.prompt.on_too_long, on_null=config.prompt.on_null,
+        chat=config_prompt.chat if config_prompt.chat is not None else pooling is None,
+        on_too_long=config_prompt.on_too_long, on_null=config_prompt.on_null,
         trust_remote_code=config.model.trust_remote_code,
-        messages_column=config.prompt.messages_column,
+        messages_column=config_prompt.messages_column,
         keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
-        max_tokens_column=config.sampling.max_tokens_column,
+        max_tokens_column=config_sampling.max_tokens_column,
     )
     engine_options = (_http_engine_options(config) if config.engine.kind == "http" else {
         "max_model_len": max_model_len,
@@ -128,7 +141,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         kind = "vllm_pooling"  # udfs/pooling_engine.py; the HTTP engine does both
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(kind, config.model.name, engine_options),
-                   sampling=sampling, structured=structured, pooling=pooling,
+                   sampling=sampling, structured=structured, pooling=pooling, steps=steps,
                    # as recorded: no credentials (a resume compares it with the record's)
                    fingerprint=scrub_record(_fingerprint(config, plan, max_model_len,
                                                          structured)))
@@ -210,27 +223,32 @@ def _http_engine_options(config: JobConfig) -> dict:
 
 def _structured(config: JobConfig) -> StructuredSpec | None:
     """The structured-output spec, its JSON Schema loaded and checked."""
-    section = config.structured
-    if section is None:
+    if config.structured is None:
         return None
+    return structured_spec(config.structured, config.output.parsed_column)
+
+
+def structured_spec(section, parsed_column: str, key: str = "structured") -> StructuredSpec:
+    """A structured section as a spec, its JSON Schema loaded and checked; ``key`` names the
+    section in an error."""
     schema = section.json_schema
     if isinstance(schema, str):
         try:
             schema = json.loads(Path(schema).read_text(encoding="utf-8"))
         except OSError as exc:
-            raise ConfigError(f"structured.json_schema: cannot read {schema!r}: "
+            raise ConfigError(f"{key}.json_schema: cannot read {schema!r}: "
                               f"{exc.strerror}") from None
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"structured.json_schema: {schema} line {exc.lineno}: "
+            raise ConfigError(f"{key}.json_schema: {schema} line {exc.lineno}: "
                               f"not valid JSON: {exc.msg}") from None
     spec = StructuredSpec(json_schema=schema,
                           choice=tuple(section.choice) if section.choice else None,
-                          regex=section.regex, parsed_column=config.output.parsed_column)
+                          regex=section.regex, parsed_column=parsed_column)
     which = "json_schema" if schema is not None else "choice" if section.choice else "regex"
     try:
         spec.check()
     except SchemaError as exc:
-        raise ConfigError(f"structured.{which}: {exc}") from None
+        raise ConfigError(f"{key}.{which}: {exc}") from None
     return spec
 
 
@@ -315,7 +333,8 @@ def _resolve_model(config: JobConfig) -> int:
     except Exception as exc:  # transformers raises OSError, ValueError, HF errors...
         raise JobError(f"model.name {name!r}: cannot load its tokenizer: "
                        f"{' '.join(str(exc).split())[:300]}") from None
-    if config.prompt.messages_column and not getattr(tokenizer, "chat_template", None):
+    prompts = [s.prompt for s in config.steps or () if s.prompt] or [config.prompt]
+    if any(p.messages_column for p in prompts) and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"prompt.messages_column needs a chat model; {name!r} has no "
                           "chat template")
     return resolve_max_model_len(name, config.model.max_model_len,
@@ -354,7 +373,8 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
         "structured": structured.engine_params() if structured else None,
         "input files": plan.fingerprint_parts(),
         "input": config.input.model_dump(exclude={"path"}),
-        "prompt": config.prompt.model_dump(),
+        "prompt": config.prompt.model_dump() if config.prompt else None,
+        **({"steps": [s.model_dump() for s in config.steps]} if config.steps else {}),
         "model": {**config.model.model_dump(), "max_model_len": max_model_len},
         "sampling": config.sampling.model_dump(),
         # file_size_mb changes how the output is cut into files, not what it holds

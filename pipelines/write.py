@@ -129,6 +129,11 @@ class PartLayout:
     text_column: str = "generated"
     dedupe: bool = False  # drop a sample whose text repeats an earlier sample of its row
     rows_total: int = 0  # the input's rows: the last block ends there
+    # a job with steps: write the rows a step's filter dropped too (else only counted)
+    keep_dropped: bool = False
+    # the Parquet schema metadata of every file written: the job that wrote it
+    # (columns.JOB_METADATA), for a job that reads this output as its input
+    metadata: tuple[tuple[bytes, bytes], ...] = ()
 
     def block_end(self, start: int) -> int:
         i = bisect.bisect_right(self.block_starts, start)
@@ -150,7 +155,8 @@ RECORD_SCHEMA = pa.schema([
     ("part", pa.string()), ("replica", pa.string()), ("ready_at", pa.float64()),
     ("done_at", pa.float64()), ("written_at", pa.float64()), ("input_rows", pa.int64()),
     ("rows", pa.int64()), ("errors", pa.string()), ("skipped", pa.int64()),
-    ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64())])
+    ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+    ("steps", pa.string())])  # a job with steps: the part's per-step counts (JSON), or null
 
 
 class _Writer:
@@ -176,9 +182,25 @@ class _Writer:
                 seen.add((key, text))
         return keep
 
-    def _write(self, name: str, block: pa.Table, part: pa.Table) -> dict:
+    def _write(self, name: str, block: pa.Table, part: pa.Table,
+               steps: str | None = None) -> dict:
+        """Write a part, with the job's metadata; ``steps``: a job with steps' counts for
+        the part's input rows (the rows its filters dropped are not in the part)."""
+        meta = dict(self.layout.metadata)
+        if steps is not None:
+            start, end = part_range(name)
+            meta[columns.STEPS_METADATA] = json.dumps(
+                {"input_rows": end - start, "steps": json.loads(steps)}).encode()
+        if meta:
+            part = part.replace_schema_metadata(meta)
         (self.staging / name).write(lambda tmp: pq.write_table(part, tmp))
         return {"part": name, **_timing(block), **count_part(part, self.layout.key_column)}
+
+    def _drop(self, block: pa.Table, part: pa.Table) -> pa.Table:
+        """A job with steps: the rows its filters dropped left out, unless it keeps them."""
+        if columns.DROPPED not in block.column_names or self.layout.keep_dropped:
+            return part
+        return part.filter(pc.invert(block.column(columns.DROPPED)))
 
 
 class PartWriter(_Writer):
@@ -191,14 +213,19 @@ class PartWriter(_Writer):
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         records = []
+        # a job with steps: the batch's per-step counts, kept with its first part
+        steps = (batch.column(columns.STEP_COUNTS)[0].as_py()
+                 if columns.STEP_COUNTS in batch.column_names and batch.num_rows else None)
         for rows in _runs(batch.column(columns.ORDINAL), self.layout.block_starts):
             block = batch.take(rows)
             first = block.column(columns.ORDINAL)[0].as_py()
             last = block.column(columns.ORDINAL)[-1].as_py()
-            part = self._arrange(block)
+            part = self._drop(block, self._arrange(block))
             if self.layout.dedupe:
                 part = part.take(self._dedupe(part))
-            records.append(self._write(part_name(first, last + 1), block, part))
+            records.append(self._write(part_name(first, last + 1), block, part,
+                                       steps if not records else
+                                       None if steps is None else "[]"))
         return pa.Table.from_pylist(records, RECORD_SCHEMA)
 
 
@@ -305,8 +332,12 @@ def count_part(part: pa.Table, key_column: str) -> dict:
                             if part.num_rows else pa.array([], pa.string()))
     errors = {k.as_py(): n.as_py() for k, n in zip(kinds.field("values"), kinds.field("counts"))
               if k.as_py() is not None}
+    steps = part_steps(part.schema)
     return {
-        "input_rows": count_runs(part.column(key_column)),
+        # a job with steps may leave a part's input rows out (dropped): its metadata counts
+        "input_rows": (steps["input_rows"] if steps is not None
+                       else count_runs(part.column(key_column))),
+        "steps": json.dumps(steps["steps"]) if steps is not None else None,
         "rows": part.num_rows,
         "errors": json.dumps(dict(sorted(errors.items()))),
         "skipped": pc.sum(pc.equal(part.column(columns.FINISH_REASON),
@@ -314,6 +345,32 @@ def count_part(part: pa.Table, key_column: str) -> dict:
         "prompt_tokens": pc.sum(part.column(columns.PROMPT_TOKENS)).as_py() or 0,
         "completion_tokens": pc.sum(part.column(columns.COMPLETION_TOKENS)).as_py() or 0,
     }
+
+
+def part_steps(schema: pa.Schema) -> dict | None:
+    """A job with steps: a part's (or file's) {"input_rows", "steps": [per-step counts]}."""
+    found = (schema.metadata or {}).get(columns.STEPS_METADATA)
+    return json.loads(found) if found is not None else None
+
+
+STEP_NUMBERS = ("rows_in", "rows_out", "dropped", "errors", "prompt_tokens",
+                "completion_tokens", "seconds")
+
+
+def add_steps(total: list[dict], more: list[dict]) -> list[dict]:
+    """Two lists of per-step counts added up, step by step (by name, in order)."""
+    if not total:
+        return [dict(step) for step in more]
+    by_name = {step["name"]: step for step in total}
+    for step in more:
+        mine = by_name.get(step["name"])
+        if mine is None:
+            total.append(dict(step))
+            by_name[step["name"]] = total[-1]
+            continue
+        for key in STEP_NUMBERS:
+            mine[key] = round(mine.get(key, 0) + step.get(key, 0), 3)
+    return total
 
 
 def count_runs(keys: pa.ChunkedArray | pa.Array) -> int:

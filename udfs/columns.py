@@ -54,3 +54,25 @@ PAIR_START = "__overnight_pair_start"
 PAIR_TEXTS = "__overnight_pair_texts"
 # task: classify: the probability column of each label is this prefix and the label
 PROBABILITY_PREFIX = "prob_"
+
+# A job of several steps (udfs/steps.py): each step's own columns are named after its output
+# column C: C_finish_reason, C_prompt_tokens, C_completion_tokens; C_text (the raw text, where
+# C holds the parsed value); C_index (which of a row's fan-out rows this one is). The job-level
+# columns above (GENERATED) then hold the row's totals: its tokens over every step, the first
+# error (naming its step), the last step's finish reason.
+STEP_META = (FINISH_REASON, PROMPT_TOKENS, COMPLETION_TOKENS)
+DROPPED_BY = "dropped_by"  # with output.keep_dropped: the step whose filter dropped the row
+DROPPED = "__overnight_dropped"  # internal: the row was dropped by a step's filter
+STEP_COUNTS = "__overnight_step_counts"  # internal: a block's per-step counts (JSON)
+
+
+def step_column(column: str, meta: str) -> str:
+    """A step's own column: ``judge`` + ``finish_reason`` -> ``judge_finish_reason``."""
+    return f"{column}_{meta}"
+
+
+# Parquet schema metadata, on every file a job writes: the job that wrote it (its output
+# column and the columns it added), so that a job reading that output names its columns apart
+# (pipelines/preflight.py); and on a part of a job with steps, its per-step counts.
+JOB_METADATA = b"overnight.job"
+STEPS_METADATA = b"overnight.steps"

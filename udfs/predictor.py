@@ -136,6 +136,16 @@ class Predictor:
         self.output_column = output_column
         self.ready_at = time.time()
 
+    def sharing(self, sampling: SamplingSpec, output_column: str,
+                render: RenderSpec) -> Predictor:
+        """Another step's predictor on this one's engine (udfs/steps.py): its own prompt and
+        sampling; the same engine, recovery, render lock and replica."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.renderer = PromptRenderer(render)
+        other.sampling, other.output_column = sampling, output_column
+        return other
+
     def _request(self, token_ids: list[int], key, sample: int, max_tokens: int | None,
                  messages: str | None, overrides: dict) -> GenerationRequest:
         s = self.sampling
@@ -190,11 +200,12 @@ class Predictor:
             added.append((s.confidence_column, pa.array(values, pa.float64())))
         return added
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def __call__(self, batch: pa.Table, key=None) -> pa.Table:
         # which block this is, for isolating poison rows (a user's own pipeline may have no
-        # ordinals, and runs without that)
-        block = (batch.column(columns.ORDINAL)[0].as_py()
-                 if batch.num_rows and columns.ORDINAL in batch.column_names else -1)
+        # ordinals, and runs without that); ``key``: a step's own (udfs/steps.py)
+        block = key if key is not None else (
+            batch.column(columns.ORDINAL)[0].as_py()
+            if batch.num_rows and columns.ORDINAL in batch.column_names else -1)
         if self.renderer is not None:
             with self.render_lock:
                 batch = self.renderer(batch)

@@ -1,0 +1,119 @@
+"""Pre-flight of a job of several steps: each step checked against the columns it will see.
+
+A step sees the source columns and the columns of the steps before it. Its template's
+variables and its filter's columns must be among them, its filter must be a condition on them
+(it is evaluated once here on an empty table of their types, so a type error is found now,
+not hours into the job), and its structured output must be usable. Each step becomes a
+``StepSpec`` (udfs/steps.py) with its own ``RenderSpec`` and ``SamplingSpec``.
+
+Filters are polars SQL expressions (``pl.sql_expr``): SQL's small language of comparisons,
+AND/OR/NOT, IN, LIKE, arithmetic and functions such as ``length``, which users know; polars
+evaluates it vectorized over a block, and it reads a struct's field by a dot
+(``judge.score >= 4``). A row's values are data it reads, never code it runs.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipelines.config import JobConfig, StepConfig
+from pipelines.errors import ConfigError, InputError
+from udfs import columns
+from udfs.predictor import SamplingSpec
+from udfs.prompts import RenderSpec, TemplateError, compile_template
+from udfs.steps import _KEY, _PARSED, StepSpec, step_types
+
+
+def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
+               structured_spec) -> tuple[StepSpec, ...]:
+    """The steps as specs; ConfigError / InputError naming the step and key on a problem.
+    ``structured_spec(section, parsed_column, key)`` is pre-flight's own check of a
+    structured section."""
+    fields = {f.name: f.type for f in schema if not f.name.startswith(columns.INTERNAL_PREFIX)}
+    specs = []
+    for i, step in enumerate(config.steps):
+        where = f"steps[{i}] ({step.name})"
+        if step.where is not None:
+            _check_where(step.where, fields, where)
+        if step.prompt is None:
+            specs.append(StepSpec(name=step.name, where=step.where))
+            continue
+        _check_prompt(step, fields, where, config)
+        if step.sampling.max_tokens >= max_model_len:
+            raise ConfigError(f"{where}: sampling.max_tokens {step.sampling.max_tokens} leaves "
+                              f"no room for a prompt in max_model_len {max_model_len}")
+        structured = None
+        if step.structured is not None:
+            structured = structured_spec(step.structured, _PARSED, f"{where}: structured")
+            if step.explode and step.structured.json_schema is not None and \
+                    structured.json_schema.get("type") != "array":
+                raise ConfigError(f"{where}: explode needs structured.json_schema of type "
+                                  f"array (got {structured.json_schema.get('type')!r})")
+        p, s = step.prompt, step.sampling
+        render = RenderSpec(
+            template=p.template, tokenizer=config.model.name, max_model_len=max_model_len,
+            max_tokens=s.max_tokens, system=p.system, chat=p.chat if p.chat is not None else True,
+            on_too_long=p.on_too_long, on_null=p.on_null,
+            trust_remote_code=config.model.trust_remote_code, messages_column=p.messages_column,
+            keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat")
+        sampling = SamplingSpec(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, stop_token_ids=tuple(s.stop_token_ids),
+            key_column=_KEY, structured=structured.engine_params() if structured else None,
+            n=s.n)
+        spec = StepSpec(name=step.name, column=step.output_column, where=step.where,
+                        render=render, sampling=sampling, structured=structured,
+                        explode=step.explode, fan_out=step.explode or s.n > 1)
+        specs.append(spec)
+        fields.update(step_types(spec))
+    return tuple(specs)
+
+
+def _check_prompt(step: StepConfig, fields: dict, where: str, config: JobConfig) -> None:
+    if step.prompt.messages_column is not None:
+        variables = [step.prompt.messages_column]
+    else:
+        try:
+            _, variables = compile_template(step.prompt.template)
+        except TemplateError as exc:
+            line = f" (template line {exc.lineno})" if exc.lineno else ""
+            raise ConfigError(f"{where}: prompt.template does not parse{line}: {exc}") from None
+    missing = [v for v in variables if v not in fields]
+    if missing:
+        later = [s.name for s in config.steps if missing[0] in s.added_columns()]
+        why = (f"a column of step {later[0]!r}, which comes later" if later
+               else "not a column of the input or of an earlier step")
+        raise InputError(f"{where}: prompt uses {missing[0]!r}: {why}; the step can use: "
+                         f"{', '.join(fields)}")
+
+
+def _check_where(expression: str, fields: dict, where: str) -> None:
+    """The filter parses, names only columns it can see, and is a condition on them."""
+    import polars as pl
+
+    try:
+        expr = pl.sql_expr(expression)
+        names = expr.meta.root_names()
+    except Exception as exc:  # polars' SQL parser: SQLSyntaxError, SQLInterfaceError...
+        raise ConfigError(f"{where}: where {expression!r} does not parse: "
+                          f"{_one_line(exc)}") from None
+    missing = [n for n in names if n not in fields]
+    if missing:
+        raise InputError(f"{where}: where uses {missing[0]!r}, which is not a column of the "
+                         f"input or of an earlier step; it can use: {', '.join(fields)}")
+    empty = pl.from_arrow(pa.schema([(n, fields[n]) for n in names]).empty_table()) \
+        if names else pl.DataFrame()
+    try:
+        kind = empty.select(expr).to_series().dtype if names else None
+    except Exception as exc:  # a type error: "judge > 4" on a struct, say
+        raise ConfigError(f"{where}: where {expression!r} cannot be evaluated on these "
+                          f"columns: {_one_line(exc)}") from None
+    if kind is not None and kind != pl.Boolean:
+        raise ConfigError(f"{where}: where {expression!r} is a {kind}, not a condition "
+                          "(true or false for each row)")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
