@@ -85,8 +85,6 @@ class RunSummary:
                        f"({100 * valid / max(self.rows_generated, 1):.1f}%)")
         if self.deduped is not None:
             out.append(f"dedupe: {self.deduped} duplicate samples dropped")
-        for step in self.steps or ():
-            out.append(step_line(step))
         return out
 
     def lines(self) -> list[str]:
@@ -293,16 +291,6 @@ def job_metadata(config: JobConfig) -> dict:
     (pipelines/preflight.py: ``output.column`` + ``_finish_reason``...)."""
     prefix = "job" if config.steps is not None else config.output.column
     return {"prefix": prefix, "added": config.generated_columns()}
-
-
-def step_line(step: dict) -> str:
-    """One step's counts as the summary prints them."""
-    dropped = f", {step['dropped']} dropped" if step.get("dropped") else ""
-    errors = f", {step['errors']} with errors" if step.get("errors") else ""
-    tokens = (f"; tokens {step['prompt_tokens']} in, {step['completion_tokens']} out"
-              if step.get("prompt_tokens") or step.get("completion_tokens") else "")
-    return (f"step {step['name']}: {step['rows_in']} rows in, {step['rows_out']} out"
-            f"{dropped}{errors}{tokens}")
 
 
 class _Health:

@@ -18,7 +18,8 @@ import pyarrow as pa
 
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
-from pipelines.read import InputPlan, glob_regex, read_block, scan_input
+from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, renamed,
+                            resolve_files, scan_input)
 from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
 from udfs.engine import EngineSpec
@@ -73,8 +74,17 @@ def plan_job(config: JobConfig) -> JobPlan:
         # the staging directory and the record sit beside the output: in the same bucket
         raise ConfigError(f"output.path {str(output)!r}: name a folder inside the bucket, "
                           f"e.g. {str(output).rstrip('/')}/out")
+    files, _ = resolve_files(config.input.path, config.input.format)
+    earlier = earlier_job(files)  # the input is an overnight output: chained by hand
+    if earlier is not None and config.input.id_column is None \
+            and columns.ROW_ID in earlier.get("added", ()):
+        # its rows keep the ids they have: the next job's output joins back to both
+        config = config.model_copy(update={"input": config.input.model_copy(
+            update={"id_column": columns.ROW_ID})})
     plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
                       config.input.id_column)
+    if earlier is not None:
+        plan.schema = _name_apart(plan.schema, earlier, config)
     check_output_apart(config.input.path, plan, output)
     _check_columns(config, plan, variables)
     max_model_len = _resolve_model(config)
@@ -145,6 +155,30 @@ def plan_job(config: JobConfig) -> JobPlan:
                    # as recorded: no credentials (a resume compares it with the record's)
                    fingerprint=scrub_record(_fingerprint(config, plan, max_model_len,
                                                          structured)))
+
+
+def _name_apart(schema: pa.Schema, earlier: dict, config: JobConfig) -> pa.Schema:
+    """An input written by an earlier overnight job holds columns this job adds too
+    (finish_reason, error...): this job reads those under the earlier job's prefix (its
+    output column: ``rewrite_finish_reason``), so both jobs' columns are in the output."""
+    prefix, added = earlier.get("prefix"), set(earlier.get("added", ()))
+    mine = set(config.generated_columns())
+    clashes = [f.name for f in schema if f.name in mine and f.name in added
+               and f.name != prefix and f.name != config.input.id_column]
+    if not clashes or not prefix:
+        return schema
+    taken = set(schema.names) | mine
+    fields = []
+    for fld in schema:
+        if fld.name in clashes:
+            name = f"{prefix}_{fld.name}"
+            if name in taken:
+                raise InputError(f"the input (an earlier overnight job's output) has columns "
+                                 f"{fld.name!r} and {name!r}; this job would add "
+                                 f"{fld.name!r} and cannot name the earlier one apart")
+            fld = renamed(fld, name)
+        fields.append(fld)
+    return pa.schema(fields, metadata=schema.metadata)
 
 
 def check_output_apart(input_path: str, plan: InputPlan, output: Location) -> None:

@@ -399,12 +399,36 @@ def _jsonl_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema)
 
 
+# field metadata: the column's name in the files, where the plan reads it under another
+# (pre-flight names an earlier overnight job's columns apart: pipelines/preflight.py)
+SOURCE_NAME = b"overnight.source_name"
+
+
+def renamed(fld: pa.Field, name: str) -> pa.Field:
+    """``fld`` under ``name``, read from the files under its own name."""
+    return pa.field(name, fld.type, fld.nullable,
+                    {**(fld.metadata or {}), SOURCE_NAME: fld.name.encode()})
+
+
+def earlier_job(files: list[Location]) -> dict | None:
+    """What an input written by overnight says of the job that wrote it (the metadata of its
+    first file: columns.JOB_METADATA), or None."""
+    if not files or _suffix(files[0]) != ".parquet":
+        return None
+    try:
+        found = (_parquet(files[0]).schema_arrow.metadata or {}).get(columns.JOB_METADATA)
+        return json.loads(found) if found else None
+    except (OSError, ValueError, pa.ArrowException):  # the scan says what is wrong with it
+        return None
+
+
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """Give a block the input's full schema: missing columns as nulls, same types and order."""
     arrays = []
     for fld in schema:
-        if fld.name in table.column_names:
-            arrays.append(table.column(fld.name).cast(fld.type))
+        source = (fld.metadata or {}).get(SOURCE_NAME, b"").decode() or fld.name
+        if source in table.column_names:
+            arrays.append(table.column(source).cast(fld.type))
         else:
             arrays.append(pa.nulls(table.num_rows, fld.type))
     return pa.Table.from_arrays(arrays, schema=schema)

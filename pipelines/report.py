@@ -85,6 +85,9 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
         "histogram": {"output_tokens": _histogram(values[columns.COMPLETION_TOKENS])},
         "recovery": summary.get("recovery") or {},
     }
+    steps = _steps(stats)
+    if steps:  # a job with steps: each step's rows in and out, dropped, errors, tokens, time
+        report["steps"] = steps
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
     if timings and parts is not None:
         report.update(_times(timings, parts))
@@ -95,6 +98,17 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
             report["time"]["engine_idle_s"] = round(samples[-1].get("idle_s", 0), 2)
     report["sample_rows"] = _sample_rows(output, config, key)
     return report
+
+
+def _steps(stats: list[dict]) -> list[dict]:
+    """The output files' per-step counts, added up (a job with steps; else none)."""
+    from pipelines.write import add_steps
+
+    total: list[dict] = []
+    for file in stats:
+        if file.get("steps"):
+            total = add_steps(total, file["steps"])
+    return total
 
 
 def _merged(counts: list[list]) -> list[tuple[int, int]]:
@@ -270,6 +284,11 @@ def report_lines(report: dict) -> list[str]:
     for kind, e in rows["errors_by_kind"].items():
         lines.append(f"  {kind:<11}{e['count']}  e.g. {', '.join(map(str, e['examples']))}")
     lines.extend(_recovery_lines(report.get("recovery") or {}))
+    for step in report.get("steps") or ():
+        lines.append(f"  step {step['name']:<10} {step['rows_in']:,} in -> {step['rows_out']:,} "
+                     f"out, {step['dropped']:,} dropped, {step['errors']:,} with errors; "
+                     f"tokens {step['prompt_tokens']:,} in, {step['completion_tokens']:,} out; "
+                     f"{step['seconds']:.1f} s in blocks")
     for name, label in (("prompt", "tokens in"), ("output", "tokens out")):
         s = tok[name]
         lines.append(f"{label:<13}total {s['total']:,}  mean {_num(s['mean'])}  p50 "
@@ -318,6 +337,11 @@ def render_html(report: dict) -> str:
     bars = [(f"{lo}-{hi - 1}", n) for lo, hi, n in
             zip(hist["edges"], hist["edges"][1:], hist["counts"])]
     charts = [_svg_bars("Output length (tokens per row)", bars, "rows")]
+    if report.get("steps"):  # the funnel: the rows each step passes on
+        first = report["steps"][0]
+        charts.insert(0, _svg_bars("Rows at each step (the funnel: input, then each step's "
+                                   "rows out)", [("input", first["rows_in"])] + [
+            (s["name"], s["rows_out"]) for s in report["steps"]], "rows"))
     samples = report.get("samples") or []
     timeline = report.get("timeline") or []
     if len(samples) > 1:
@@ -332,6 +356,7 @@ def render_html(report: dict) -> str:
                           {"kind": k, "rows": e["count"],
                            "example ids": ", ".join(map(str, e["examples"]))}
                           for k, e in report["rows"]["errors_by_kind"].items()]),
+                      _html_table("Steps", report.get("steps")),
                       _html_table("Replicas", (report.get("throughput") or {}).get(
                           "per_replica"))])
     return f"""<!doctype html>
