@@ -262,7 +262,8 @@ def _structured(config: JobConfig) -> StructuredSpec | None:
     return structured_spec(config.structured, config.output.parsed_column)
 
 
-def structured_spec(section, parsed_column: str, key: str = "structured") -> StructuredSpec:
+def structured_spec(section, parsed_column: str, key: str = "structured",
+                    arrays: bool = False) -> StructuredSpec:
     """A structured section as a spec, its JSON Schema loaded and checked; ``key`` names the
     section in an error."""
     schema = section.json_schema
@@ -280,7 +281,7 @@ def structured_spec(section, parsed_column: str, key: str = "structured") -> Str
                           regex=section.regex, parsed_column=parsed_column)
     which = "json_schema" if schema is not None else "choice" if section.choice else "regex"
     try:
-        spec.check()
+        spec.check(arrays)
     except SchemaError as exc:
         raise ConfigError(f"{key}.{which}: {exc}") from None
     return spec

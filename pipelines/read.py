@@ -424,14 +424,17 @@ def earlier_job(files: list[Location]) -> dict | None:
 
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """Give a block the input's full schema: missing columns as nulls, same types and order."""
-    arrays = []
+    arrays, fields = [], []
     for fld in schema:
-        source = (fld.metadata or {}).get(SOURCE_NAME, b"").decode() or fld.name
+        meta = dict(fld.metadata or {})
+        source = meta.pop(SOURCE_NAME, b"").decode() or fld.name
         if source in table.column_names:
             arrays.append(table.column(source).cast(fld.type))
         else:
             arrays.append(pa.nulls(table.num_rows, fld.type))
-    return pa.Table.from_arrays(arrays, schema=schema)
+        # the block's column is named as the plan names it (and its output's file says so)
+        fields.append(fld.with_metadata(meta) if source != fld.name else fld)
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=schema.metadata))
 
 
 

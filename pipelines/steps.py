@@ -44,7 +44,8 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
                               f"no room for a prompt in max_model_len {max_model_len}")
         structured = None
         if step.structured is not None:
-            structured = structured_spec(step.structured, _PARSED, f"{where}: structured")
+            structured = structured_spec(step.structured, _PARSED, f"{where}: structured",
+                                         arrays=True)
             if step.explode and step.structured.json_schema is not None and \
                     structured.json_schema.get("type") != "array":
                 raise ConfigError(f"{where}: explode needs structured.json_schema of type "

@@ -85,16 +85,19 @@ class StructuredSpec:
             return {"choice": list(self.choice)}
         return {"regex": self.regex}
 
-    def check(self) -> None:
-        """Raise SchemaError naming what is wrong, before any engine starts."""
+    def check(self, arrays: bool = False) -> None:
+        """Raise SchemaError naming what is wrong, before any engine starts. ``arrays``: the
+        top level may be an array too (a step's, which may explode it into rows)."""
         if self.json_schema is not None:
             try:
                 jsonschema.Draft202012Validator.check_schema(self.json_schema)
             except jsonschema.SchemaError as exc:
                 path = "/".join(str(p) for p in exc.path) or "(top)"
                 raise SchemaError(f"at {path}: {exc.message}") from None
-            if self.json_schema.get("type") != "object":
-                raise SchemaError("the top level must be an object (type: object)")
+            if self.json_schema.get("type") != "object" and not (
+                    arrays and self.json_schema.get("type") == "array"):
+                raise SchemaError("the top level must be an object (type: object)"
+                                  + (" or an array" if arrays else ""))
             schema_to_arrow(self.json_schema)
         elif self.regex is not None:
             try:

@@ -6,10 +6,10 @@ driver, Ray's workers), and it breaks the in-process engine the way the test ask
   OVERNIGHT_TEST_FAULT=stall   the engine stops making progress, once per job
   OVERNIGHT_TEST_FAULT=poison  the process dies (SIGKILL) whenever a request with
                                max_tokens == OVERNIGHT_TEST_POISON_TOKENS reaches the engine
-  OVERNIGHT_TEST_FAULT=reclaim the whole job (its process group: the driver, Ray, the
-                               engine) is killed (SIGKILL) at the Nth request with max_tokens
-                               == OVERNIGHT_TEST_POISON_TOKENS: a spot reclaim in the middle
-                               of the step whose requests ask for that many tokens
+  OVERNIGHT_TEST_FAULT=reclaim the engine stops for good at the Nth request with max_tokens
+                               == OVERNIGHT_TEST_POISON_TOKENS, after creating the marker
+                               file: the test, seeing it, kills the whole job (a spot reclaim
+                               in the middle of the step whose requests ask for that many)
 
 "Once per job" is kept by a marker file (OVERNIGHT_TEST_FAULT_MARKER), so the engine that
 replaces the broken one runs normally. The fault strikes at the Nth request added
@@ -46,8 +46,8 @@ if FAULT:
             os.kill(os.getpid(), signal.SIGKILL)
         if FAULT == "reclaim" and batch.requests[index].max_tokens == poison:
             _seen["marked"] = _seen.get("marked", 0) + 1
-            if _seen["marked"] >= after:
-                os.killpg(os.getpgid(0), signal.SIGKILL)
+            if _seen["marked"] >= after and _once():
+                time.sleep(3600)
         if FAULT in ("break", "stall") and _seen["adds"] >= after and _once():
             if FAULT == "break":
                 raise RuntimeError("injected engine failure (CUDA error: an illegal memory "
