@@ -219,7 +219,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     progress = progress or Progress(total=0, enabled=False)
     already = 0 if retry_errors else plan.input.num_rows - todo
     progress.total = todo + already
-    progress.requests_total = todo * config.sampling.n
+    progress.requests_total = todo * requests_per_row(config)
     progress.start(str(store.path), already=already)
     parts: list[dict] = []  # this run's part records: counts, replica, times
     with ray_session(config.resources.address, verbose=verbose):
@@ -283,6 +283,19 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         "finished": time.time()})
     summary.report_path = str(write_report(store.path, summary.report))
     return summary
+
+
+def requests_per_row(config: JobConfig) -> int:
+    """The engine requests an input row makes: its samples; with steps, each generating
+    step's rows (an estimate: a step that explodes an array, or a filter, changes it)."""
+    if config.steps is None:
+        return config.sampling.n
+    rows, total = 1, 0
+    for step in config.steps:
+        if step.prompt is not None:
+            rows *= step.sampling.n
+            total += rows
+    return total
 
 
 def job_metadata(config: JobConfig) -> dict:

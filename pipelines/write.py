@@ -342,8 +342,13 @@ def count_part(part: pa.Table, key_column: str) -> dict:
         "errors": json.dumps(dict(sorted(errors.items()))),
         "skipped": pc.sum(pc.equal(part.column(columns.FINISH_REASON),
                                    columns.FinishReason.SKIPPED)).as_py() or 0,
-        "prompt_tokens": pc.sum(part.column(columns.PROMPT_TOKENS)).as_py() or 0,
-        "completion_tokens": pc.sum(part.column(columns.COMPLETION_TOKENS)).as_py() or 0,
+        # a job with steps: the tokens its steps generated (a row's own columns count its
+        # fan-out parent's again, and dropped rows are not in the part)
+        **({"prompt_tokens": sum(s["prompt_tokens"] for s in steps["steps"]),
+            "completion_tokens": sum(s["completion_tokens"] for s in steps["steps"])}
+           if steps is not None else
+           {"prompt_tokens": pc.sum(part.column(columns.PROMPT_TOKENS)).as_py() or 0,
+            "completion_tokens": pc.sum(part.column(columns.COMPLETION_TOKENS)).as_py() or 0}),
     }
 
 

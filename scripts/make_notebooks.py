@@ -117,6 +117,63 @@ table.select("topic_id", "sample_index", "question", "answer", "difficulty")''')
  ("code", '''assert set(table["difficulty"]) <= {"easy", "medium", "hard"}
 print("\\n".join(report_lines(summary.report)))'''),
 ])
+steps = nb([
+ ("md", "# A job of several steps: rewrite, judge, flag\n\n"
+        "One job, one engine: each product description is rewritten, a judge checks the "
+        "rewrite against its source (a JSON verdict and a reason), and a filter step flags the "
+        "rewrites judged unfaithful. Each step's template sees the source columns and the "
+        "earlier steps' columns (`{{ rewritten }}`, `{{ judge.verdict }}`); no intermediate "
+        "table, no second engine. `configs/rewrite_and_judge.yaml` is the same job as a file."),
+ ("code", SETUP),
+ ("code", '''products = pl.read_parquet(REPO / "data" / "products.parquet").head(24)
+judge = {"type": "object",
+         "properties": {"verdict": {"enum": ["faithful", "unfaithful"]},
+                        "reason": {"type": "string", "maxLength": 120}},
+         "required": ["verdict", "reason"], "additionalProperties": False}
+job = {
+    "input": {"id_column": "sku"},
+    "model": {"name": MODEL, "max_model_len": 1024, "dtype": "float32"},
+    "steps": [
+        {"name": "rewrite", "column": "rewritten",
+         "prompt": {"system": "You are a concise, factual e-commerce copywriter.",
+                    "template": "Rewrite this product description in one or two sentences. "
+                                "Keep every fact; add none.\\nTitle: {{ title }}\\n"
+                                "Description: {{ description }}"},
+         "sampling": {"temperature": 0.0, "max_tokens": 64}},
+        {"name": "judge",
+         "prompt": {"system": "You check rewrites against their source.",
+                    "template": "Source: {{ description }}\\nRewrite: {{ rewritten }}\\nDoes "
+                                "the rewrite keep the source's facts and add none?"},
+         "sampling": {"temperature": 0.0, "max_tokens": 64},
+         "structured": {"json_schema": judge}},
+        {"name": "faithful", "where": "judge.verdict = 'faithful'"},
+    ],
+    "output": {"keep_dropped": True},  # flag, do not drop: dropped_by says which step
+    "engine": CPU,
+    "resources": {"batch_size": 8},
+}
+out, summary = run_dataframe(products, job, return_summary=True)
+out.select("sku", "rewritten", "judge", "dropped_by", "error").head(6)'''),
+ ("md", "Every product comes back once, in order. A rewrite judged unfaithful is kept, with "
+        "`dropped_by: faithful`; without `output.keep_dropped` it would not be written, only "
+        "counted."),
+ ("code", '''assert out["sku"].to_list() == products["sku"].to_list()
+judged = out.filter(pl.col("judge").is_not_null())
+verdict = pl.col("judge").struct.field("verdict")
+assert judged.filter(verdict == "unfaithful")["dropped_by"].eq("faithful").all()
+assert judged.filter(verdict == "faithful")["dropped_by"].is_null().all()
+print(f"judged {judged.height} of {out.height}; flagged unfaithful: "
+      f"{judged.filter(verdict == 'unfaithful').height}")'''),
+ ("md", "## The funnel\n\nThe run report gives each step's rows in and out, what it dropped, "
+        "its errors, tokens and time (`overnight report OUTPUT --html report.html` draws the "
+        "funnel)."),
+ ("code", '''steps = pl.DataFrame(summary.report["steps"]).select(
+    "name", "rows_in", "rows_out", "dropped", "errors", "prompt_tokens", "completion_tokens")
+print(steps)
+assert steps["rows_in"].to_list()[:2] == [products.height, products.height]
+print("\\n".join(report_lines(summary.report)))'''),
+])
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 nbf.write(quick, ROOT / "notebooks" / "quickstart.ipynb")
 nbf.write(synth, ROOT / "notebooks" / "synthetic_data.ipynb")
+nbf.write(steps, ROOT / "notebooks" / "multi_step.ipynb")
