@@ -543,12 +543,20 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
         node = raw
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {'.'.join(path)}: {part!r} is not a section")
+        for depth, part in enumerate(path):
+            if isinstance(node, list):  # steps.1.sampling.max_tokens: a list's item by index
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:depth])} has "
+                                      f"{len(node)} item(s); {part!r} is not one of their "
+                                      "indices")
+                part = int(part)
+            if depth == len(path) - 1:
+                node[part] = value
+                break
+            child = node[part] if isinstance(node, list) else node.setdefault(part, {})
+            if not isinstance(child, (dict, list)):
+                raise ConfigError(f"--set {'.'.join(path)}: {path[depth]!r} is not a section")
             node = child
-        node[path[-1]] = value
     return raw
 
 
@@ -581,5 +589,7 @@ def load_config(
         raise ConfigError(_format_validation_error(err, name)) from None
 
 
-def _deep_copy(raw: dict) -> dict:
-    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in raw.items()}
+def _deep_copy(raw):
+    if isinstance(raw, dict):
+        return {k: _deep_copy(v) for k, v in raw.items()}
+    return [_deep_copy(v) for v in raw] if isinstance(raw, list) else raw

@@ -270,7 +270,7 @@ def test_a_step_that_cannot_run_is_refused_before_the_engine_starts(
     ({"steps": [{"name": "a", "prompt": {"template": "x"}},
                 {"name": "a", "prompt": {"template": "y"}}]}, "steps[1].name 'a' is used"),
     ({"steps": [{"name": "x", "where": "price > 1", "column": "c"}]},
-     "steps.0: Value error, column does not apply to a step without a prompt"),
+     "steps.0: column does not apply to a step without a prompt"),
 ])
 def test_steps_config_errors_name_the_key(tiny_model, steps_input, change, message):
     from pipelines.errors import ConfigError
