@@ -13,7 +13,7 @@ A step is one of:
   (``OutputParser``); ``sampling.n`` > 1 or ``explode`` (a JSON array, one row per element)
   turn one row into several;
 - a filter: ``where``, a polars SQL expression; a row for which it does not hold is dropped
-  there and goes no further.
+  there and goes no further (as does a row a step skipped: ``prompt.on_too_long: skip``).
 
 A step may have both: the filter first, then the generation on the rows that pass.
 
@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from udfs import columns
+from udfs.columns import FinishReason
 from udfs.engine import EngineSpec
 from udfs.parsers import OutputParser, StructuredSpec
 from udfs.predictor import Predictor, SamplingSpec, release_free_memory
@@ -190,6 +191,10 @@ class StepsPredictor:
             out = out.rename_columns([columns.step_column(c, "text") if n == c
                                       else c if n == step.structured.parsed_column else n
                                       for n in out.column_names])
+        skipped = [i for i, reason in enumerate(out.column(columns.FINISH_REASON).to_pylist())
+                   if reason == FinishReason.SKIPPED]
+        # prompt.on_too_long: skip: not generated, no error; such a row goes no further
+        out = _set(out, _DROPPED_BY, skipped, step.name)
         if step.explode:
             out, kinds, errors = _explode(out, c, kinds, errors, step.name)
         if columns.SAMPLE_INDEX in out.column_names:  # n > 1: C_index numbers them instead
