@@ -89,4 +89,6 @@ def test_missing_config_file(tmp_path: Path):
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path):
     config = load_config(path)
-    assert config.output.path and config.prompt.template
+    assert config.output.path
+    prompts = [s.prompt for s in config.steps if s.prompt] if config.steps else [config.prompt]
+    assert prompts and all(p.template for p in prompts)

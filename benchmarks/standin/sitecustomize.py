@@ -66,3 +66,43 @@ if os.environ.get("OVERNIGHT_BENCH_MAXRSS"):
             handle.write(str(kib * 1024))
 
     atexit.register(_peak_rss)
+
+if os.environ.get("OVERNIGHT_BENCH_DRIVER_TRACE"):
+    import sys
+
+    # the driver only (``python -m pipelines.cli run``): its RSS and Python's own allocations
+    # every few seconds, and at exit the allocation sites holding the most
+    if any(a.endswith("pipelines.cli") or a.endswith("pipelines/cli.py") for a in sys.argv) \
+            or sys.argv[:1] == ["-m"]:
+        import atexit
+        import threading
+        import time
+        import tracemalloc
+
+        tracemalloc.start(8)
+        _trace = open(os.environ["OVERNIGHT_BENCH_DRIVER_TRACE"], "a")
+        _t0 = time.time()
+
+        def _rss_mib() -> float:
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+        def _sample() -> None:
+            while True:
+                current, _ = tracemalloc.get_traced_memory()
+                _trace.write(f"t {time.time() - _t0:.1f} rss_mib {_rss_mib():.1f} "
+                             f"python_mib {current / 2**20:.1f}\n")
+                _trace.flush()
+                time.sleep(5)
+
+        threading.Thread(target=_sample, daemon=True).start()
+
+        def _top() -> None:
+            snapshot = tracemalloc.take_snapshot()
+            for stat in snapshot.statistics("traceback")[:12]:
+                _trace.write(f"{stat.size / 2**20:.1f} MiB in {stat.count} blocks:\n")
+                for line in stat.traceback.format()[-8:]:
+                    _trace.write(f"    {line}\n")
+            _trace.flush()
+
+        atexit.register(_top)
