@@ -149,6 +149,7 @@ def test_filters_keep_exactly_the_rows_their_condition_selects(filtered):
     passed = out.filter(pl.col("dropped_by").is_null() & pl.col("error").is_null())
     assert passed.height == 2 * passed["sku"].n_unique()  # n: 2 samples each
     assert passed["pitch_index"].to_list() == [0, 1] * passed["sku"].n_unique()
+    assert out.filter(pl.col("dropped_by").is_not_null())["pitch_index"].is_null().all()
     steps = {s["name"]: s for s in summary.report["steps"]}
     cheap = int((source["price"] < 60).sum())
     assert steps["cheap"]["rows_in"] == ROWS and steps["cheap"]["rows_out"] == cheap

@@ -33,7 +33,6 @@ the row's place in the fan-out, so a resumed or re-run job generates the same ro
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import dataclass
 
@@ -108,7 +107,6 @@ class StepsPredictor:
         self.base = base
         self.parsers = {s.name: OutputParser(s.structured, s.column)
                         for s in steps if s.structured is not None}
-        self.lock = threading.Lock()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         block = (batch.column(columns.ORDINAL)[0].as_py()
@@ -155,14 +153,16 @@ class StepsPredictor:
         for name in added:
             idle = idle.append_column(name, pa.nulls(idle.num_rows, done.schema.field(name).type))
         merged = pa.concat_tables([done.select(idle.column_names), idle])
-        merged = merged.take(pc.sort_indices(merged.column(_SEQ)))  # stable: fan-out in order
-        if step.fan_out:
-            merged = merged.append_column(columns.step_column(step.column, "index"),
-                                          _positions(merged.column(_SEQ)))
+        order = pc.sort_indices(merged.column(_SEQ))  # a stable sort: fan-out stays in order
+        merged = merged.take(order)
+        if step.fan_out:  # C_index: a row's place among its rows; null where it did not run
+            ran = pa.array([True] * done.num_rows + [False] * idle.num_rows).take(order)
+            index = pc.if_else(ran, _positions(merged.column(_SEQ)), pa.scalar(None, pa.int32()))
+            merged = merged.append_column(columns.step_column(step.column, "index"), index)
             # each of a row's new rows seeds its next steps apart
             merged = _replace(merged, _KEY, pc.binary_join_element_wise(
-                merged.column(_KEY), pc.cast(merged.column(columns.step_column(
-                    step.column, "index")), pa.string()), "#"))
+                merged.column(_KEY), pc.cast(pc.fill_null(merged.column(columns.step_column(
+                    step.column, "index")), 0), pa.string()), "#"))
         merged = merged.drop_columns([_SEQ])
         done_counts = _done_counts(done, step)
         count["dropped"] += done_counts.pop("dropped")
