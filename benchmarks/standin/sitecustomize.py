@@ -70,8 +70,9 @@ if os.environ.get("OVERNIGHT_BENCH_MAXRSS"):
 if os.environ.get("OVERNIGHT_BENCH_DRIVER_TRACE"):
     import sys
 
-    # the driver only (``python -m pipelines.cli run``): its RSS and Python's own allocations
-    # every few seconds, and at exit the allocation sites holding the most
+    # the driver only (``python -m pipelines.cli run``): its RSS every few seconds; with
+    # OVERNIGHT_BENCH_DRIVER_TRACE_PY=1 also Python's own allocations, and at exit the sites
+    # holding the most (tracemalloc slows the driver's imports many times over)
     if any(a.endswith("pipelines.cli") or a.endswith("pipelines/cli.py") for a in sys.argv) \
             or sys.argv[:1] == ["-m"]:
         import atexit
@@ -79,7 +80,9 @@ if os.environ.get("OVERNIGHT_BENCH_DRIVER_TRACE"):
         import time
         import tracemalloc
 
-        tracemalloc.start(8)
+        python = os.environ.get("OVERNIGHT_BENCH_DRIVER_TRACE_PY") == "1"
+        if python:
+            tracemalloc.start(8)
         _trace = open(os.environ["OVERNIGHT_BENCH_DRIVER_TRACE"], "a")
         _t0 = time.time()
 
@@ -89,7 +92,7 @@ if os.environ.get("OVERNIGHT_BENCH_DRIVER_TRACE"):
 
         def _sample() -> None:
             while True:
-                current, _ = tracemalloc.get_traced_memory()
+                current = tracemalloc.get_traced_memory()[0] if python else 0
                 _trace.write(f"t {time.time() - _t0:.1f} rss_mib {_rss_mib():.1f} "
                              f"python_mib {current / 2**20:.1f}\n")
                 _trace.flush()
@@ -105,4 +108,5 @@ if os.environ.get("OVERNIGHT_BENCH_DRIVER_TRACE"):
                     _trace.write(f"    {line}\n")
             _trace.flush()
 
-        atexit.register(_top)
+        if python:
+            atexit.register(_top)
