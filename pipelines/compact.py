@@ -163,7 +163,7 @@ class StatsBuilder:
         for key in self.counts:
             self.counts[key] += counted[key]
         if counted["steps"] is not None:
-            self.steps = add_steps(self.steps or [], json.loads(counted["steps"]))
+            self.steps = add_steps(self.steps or [], counted["steps"])
         for kind, n in json.loads(counted["errors"]).items():
             self.errors[kind] = self.errors.get(kind, 0) + n
             shown = self.examples.setdefault(kind, [])

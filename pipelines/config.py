@@ -430,9 +430,8 @@ class JobConfig(_Strict):
     def _truncation_needs_tokens(self) -> JobConfig:
         # the server applies the chat template to whole messages: a prompt cut to fit as
         # tokens cannot be sent as messages
-        prompts = [s.prompt for s in self.steps or () if s.prompt] or [self.prompt]
-        if any(p.on_too_long == "truncate" for p in prompts) and (self.engine.kind == "http"
-                and self.engine.endpoint == "chat"):
+        chat = self.engine.kind == "http" and self.engine.endpoint == "chat"
+        if chat and any(p.on_too_long == "truncate" for p in self.prompts()):
             raise ValueError("prompt.on_too_long: truncate needs engine.endpoint: completions "
                              "(with endpoint: chat the server gets whole messages); or use "
                              "on_too_long: error or skip")
@@ -454,6 +453,12 @@ class JobConfig(_Strict):
                 raise ValueError(f"output.{key} {name!r} is taken; choose another name")
             taken.append(name)
         return self
+
+    def prompts(self) -> list[PromptConfig]:
+        """The job's prompt, or each generating step's."""
+        if self.steps is None:
+            return [self.prompt]
+        return [step.prompt for step in self.steps if step.prompt is not None]
 
     def logprobs_column(self) -> str | None:
         """The logprobs column, when the job writes one: asked for, or rows may ask."""

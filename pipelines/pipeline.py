@@ -64,10 +64,8 @@ class RunSummary:
         self.completion_tokens += record["completion_tokens"]
         for kind, n in json.loads(record["errors"]).items():
             self.errors[kind] = self.errors.get(kind, 0) + n
-        steps = record.get("steps")
-        if steps is not None:
-            self.steps = add_steps(self.steps or [], json.loads(steps)
-                                   if isinstance(steps, str) else steps)
+        if record.get("steps") is not None:
+            self.steps = add_steps(self.steps or [], record["steps"])
 
     @property
     def rows_generated(self) -> int:

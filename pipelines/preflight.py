@@ -74,15 +74,15 @@ def plan_job(config: JobConfig) -> JobPlan:
         # the staging directory and the record sit beside the output: in the same bucket
         raise ConfigError(f"output.path {str(output)!r}: name a folder inside the bucket, "
                           f"e.g. {str(output).rstrip('/')}/out")
-    files, _ = resolve_files(config.input.path, config.input.format)
-    earlier = earlier_job(files)  # the input is an overnight output: chained by hand
+    resolved = resolve_files(config.input.path, config.input.format)  # listed once
+    earlier = earlier_job(resolved[0])  # the input is an overnight output: chained by hand
     if earlier is not None and config.input.id_column is None \
             and columns.ROW_ID in earlier.get("added", ()):
         # its rows keep the ids they have: the next job's output joins back to both
         config = config.model_copy(update={"input": config.input.model_copy(
             update={"id_column": columns.ROW_ID})})
     plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
-                      config.input.id_column)
+                      config.input.id_column, resolved)
     if earlier is not None:
         plan.schema = _name_apart(plan.schema, earlier, config)
     check_output_apart(config.input.path, plan, output)
@@ -368,8 +368,8 @@ def _resolve_model(config: JobConfig) -> int:
     except Exception as exc:  # transformers raises OSError, ValueError, HF errors...
         raise JobError(f"model.name {name!r}: cannot load its tokenizer: "
                        f"{' '.join(str(exc).split())[:300]}") from None
-    prompts = [s.prompt for s in config.steps or () if s.prompt] or [config.prompt]
-    if any(p.messages_column for p in prompts) and not getattr(tokenizer, "chat_template", None):
+    if any(p.messages_column for p in config.prompts()) \
+            and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"prompt.messages_column needs a chat model; {name!r} has no "
                           "chat template")
     return resolve_max_model_len(name, config.model.max_model_len,

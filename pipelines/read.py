@@ -194,9 +194,11 @@ def glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
-def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None) -> InputPlan:
-    """Check every file and plan the blocks. Raises InputError naming the first problem."""
-    files, fmt = resolve_files(path, fmt)
+def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None,
+               resolved: tuple[list[Location], str] | None = None) -> InputPlan:
+    """Check every file and plan the blocks. Raises InputError naming the first problem.
+    ``resolved``: ``resolve_files(path, fmt)``, when the caller has it already."""
+    files, fmt = resolved or resolve_files(path, fmt)
     scan = _scan_parquet if fmt == "parquet" else _scan_jsonl
     schemas, blocks, ids = [], [], IdDigest() if id_column else None
     ordinal = 0

@@ -183,18 +183,21 @@ class _Writer:
         return keep
 
     def _write(self, name: str, block: pa.Table, part: pa.Table,
-               steps: str | None = None) -> dict:
+               steps: list[dict] | None = None) -> dict:
         """Write a part, with the job's metadata; ``steps``: a job with steps' counts for
         the part's input rows (the rows its filters dropped are not in the part)."""
         meta = dict(self.layout.metadata)
         if steps is not None:
             start, end = part_range(name)
             meta[columns.STEPS_METADATA] = json.dumps(
-                {"input_rows": end - start, "steps": json.loads(steps)}).encode()
+                {"input_rows": end - start, "steps": steps}).encode()
         if meta:
             part = part.replace_schema_metadata(meta)
         (self.staging / name).write(lambda tmp: pq.write_table(part, tmp))
-        return {"part": name, **_timing(block), **count_part(part, self.layout.key_column)}
+        counted = count_part(part, self.layout.key_column)
+        if counted["steps"] is not None:  # the record is an Arrow row: the counts as JSON
+            counted["steps"] = json.dumps(counted["steps"])
+        return {"part": name, **_timing(block), **counted}
 
     def _drop(self, block: pa.Table, part: pa.Table) -> pa.Table:
         """A job with steps: the rows its filters dropped left out, unless it keeps them."""
@@ -214,7 +217,7 @@ class PartWriter(_Writer):
     def __call__(self, batch: pa.Table) -> pa.Table:
         records = []
         # a job with steps: the batch's per-step counts, kept with its first part
-        steps = (batch.column(columns.STEP_COUNTS)[0].as_py()
+        steps = (json.loads(batch.column(columns.STEP_COUNTS)[0].as_py())
                  if columns.STEP_COUNTS in batch.column_names and batch.num_rows else None)
         for rows in _runs(batch.column(columns.ORDINAL), self.layout.block_starts):
             block = batch.take(rows)
@@ -223,9 +226,9 @@ class PartWriter(_Writer):
             part = self._drop(block, self._arrange(block))
             if self.layout.dedupe:
                 part = part.take(self._dedupe(part))
-            records.append(self._write(part_name(first, last + 1), block, part,
-                                       steps if not records else
-                                       None if steps is None else "[]"))
+            records.append(self._write(part_name(first, last + 1), block, part, steps))
+            if steps is not None:
+                steps = []  # the batch's other parts: their input rows, no counts again
         return pa.Table.from_pylist(records, RECORD_SCHEMA)
 
 
@@ -337,7 +340,7 @@ def count_part(part: pa.Table, key_column: str) -> dict:
         # a job with steps may leave a part's input rows out (dropped): its metadata counts
         "input_rows": (steps["input_rows"] if steps is not None
                        else count_runs(part.column(key_column))),
-        "steps": json.dumps(steps["steps"]) if steps is not None else None,
+        "steps": steps["steps"] if steps is not None else None,
         "rows": part.num_rows,
         "errors": json.dumps(dict(sorted(errors.items()))),
         "skipped": pc.sum(pc.equal(part.column(columns.FINISH_REASON),

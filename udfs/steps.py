@@ -173,7 +173,7 @@ class StepsPredictor:
         """The step run on its live rows; each of the rows it returns (more than one per row
         with fan-out) with the step's columns, its totals updated and a key of its own."""
         c = step.column
-        rows = rows.set_column(rows.schema.get_field_index(_KEY), _KEY, pc.binary_join_element_wise(
+        rows = _replace(rows, _KEY, pc.binary_join_element_wise(
             pa.array([step.name] * rows.num_rows, pa.string()), rows.column(_KEY), "/"))
         if rows.num_rows == 0:
             out = rows
@@ -199,13 +199,11 @@ class StepsPredictor:
             out, kinds, errors = _explode(out, c, kinds, errors, step.name)
         if columns.SAMPLE_INDEX in out.column_names:  # n > 1: C_index numbers them instead
             out = out.drop_columns([columns.SAMPLE_INDEX])
-        # the row's totals: the first error (naming its step), tokens summed, the last finish
-        old_kinds, old_errors = out.column(_KIND).to_pylist(), out.column(_ERROR).to_pylist()
-        for i, kind in enumerate(kinds):
-            if kind is not None and old_kinds[i] is None:
-                old_kinds[i], old_errors[i] = kind, f"step {step.name}: {errors[i]}"
-        out = _replace(out, _KIND, pa.array(old_kinds, pa.string()))
-        out = _replace(out, _ERROR, pa.array(old_errors, pa.string()))
+        # the row's totals: its error (a step runs only rows without one: the first, naming
+        # its step), tokens summed, the last finish
+        out = _replace(out, _KIND, pa.array(kinds, pa.string()))
+        out = _replace(out, _ERROR, pa.array(
+            [None if e is None else f"step {step.name}: {e}" for e in errors], pa.string()))
         out = _replace(out, _FINISH, out.column(columns.FINISH_REASON))
         for total, own in ((_PROMPT, columns.PROMPT_TOKENS),
                            (_COMPLETION, columns.COMPLETION_TOKENS)):
