@@ -16,7 +16,7 @@ from pipelines.errors import JobError, OutputError, StageError, root_cause
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
 from pipelines.read import read_dataset
-from pipelines.report import build_report, write_report
+from pipelines.report import RunTimes, build_report, write_report
 from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
 from pipelines.storage import scrub_record
 from pipelines.watchdog import watch
@@ -103,7 +103,10 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                   others: bool = False):
     """The Ray Data chain; each stage is one ``map_batches`` over whole blocks."""
     replicas = plan_replicas(plan.config)
-    ds = read_dataset(plan.input, skip_blocks, only_rows, others)
+    resources = plan.config.resources
+    ds, ray_block_rows = read_dataset(plan.input, skip_blocks, only_rows, others,
+                                      block_rows=resources.batch_size,
+                                      slots=replicas.replicas * resources.blocks_in_flight)
     if ds is None:
         return None
     engine = plan.engine
@@ -139,13 +142,16 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
         after.append(writer)
     engine_stages = [stage] if after else [stage, writer]
     ds = ds.map_batches(chain_named_for(engine_stages),
-                        fn_constructor_kwargs={"stages": engine_stages},
-                        # by rows, not whole blocks (Ray Data insists on it for GPU stages):
-                        # a block may come in pieces, each written as a part of its own
-                        batch_format="pyarrow", batch_size=plan.config.resources.batch_size,
+                        # Ray Data's blocks, cut back into the plan's blocks in the actor; a
+                        # block may come in pieces, each written as a part of its own
+                        fn_constructor_kwargs={"stages": engine_stages,
+                                               "cut": (layout.block_starts,
+                                                       resources.batch_size)},
+                        # by rows, not whole blocks (Ray Data insists on it for GPU stages)
+                        batch_format="pyarrow", batch_size=ray_block_rows,
                         **replicas.remote_args(),
                         compute=_pool(replicas.replicas,
-                                      concurrent_blocks=plan.config.resources.blocks_in_flight))
+                                      concurrent_blocks=resources.blocks_in_flight))
     if after:
         if not retry:
             after.append(writer)
@@ -219,7 +225,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     progress.total = todo + already
     progress.requests_total = todo * requests_per_row(config)
     progress.start(str(store.path), already=already)
-    parts: list[dict] = []  # this run's part records: counts, replica, times
+    times = RunTimes(started)  # this run's part records, added up: replicas, times
     with ray_session(config.resources.address, verbose=verbose):
         ray_ready = time.time()
         # object stores are shared by nature; local paths must be seen by every node
@@ -234,7 +240,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
             for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),
                                config) if ds else ():
                 for record in batch.to_pylist():
-                    parts.append(record)
+                    times.add(record)
                     progress.update(record["input_rows"], record["completion_tokens"],
                                     sum(json.loads(record["errors"]).values()))
         except Exception as exc:  # an engine that would not start or died; a failed write
@@ -275,7 +281,7 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         raise OutputError(f"output.path {str(store.path)!r}: cannot commit the output: "
                           f"{' '.join(str(exc).split())[:300]} (the parts written are kept: "
                           "run the same command again)") from None
-    summary.report = build_report(store.path, record, parts=parts, samples=samples,
+    summary.report = build_report(store.path, record, times=times, samples=samples,
                                   stats=stats, timings={
         "started": started, "planned": planned, "ray_ready": ray_ready,
         "finished": time.time()})
@@ -302,6 +308,9 @@ def job_metadata(config: JobConfig) -> dict:
     (pipelines/preflight.py: ``output.column`` + ``_finish_reason``...)."""
     prefix = "job" if config.steps is not None else config.output.column
     return {"prefix": prefix, "added": config.generated_columns()}
+
+
+MAX_SAMPLES = 1000  # the report's throughput-over-time samples, at most about
 
 
 class _Health:
@@ -336,6 +345,8 @@ class _Health:
             self.samples.append({"t": time.time(), "tokens": counts["tokens"],
                                  "requests": counts["requests"],
                                  "idle_s": counts.get("idle_s", 0)})
+            if len(self.samples) > 2 * MAX_SAMPLES:  # a night's job: one in two, the last kept
+                self.samples = self.samples[-1::-2][::-1]
             progress.update_live(counts)
 
     def close(self) -> dict:

@@ -564,18 +564,42 @@ class TableDatasource(Datasource):
 
 
 def read_dataset(plan: InputPlan, skip_blocks: frozenset[int] = frozenset(),
-                 only_rows: dict[int, list[int]] | None = None, others: bool = False):
+                 only_rows: dict[int, list[int]] | None = None, others: bool = False,
+                 block_rows: int = 256, slots: int = 1):
     """A Ray Dataset over the plan's blocks, leaving out those whose first ordinal is in
     ``skip_blocks`` (written by an earlier run of the same job); with ``only_rows``, just
     those blocks, and in each just the rows at the given positions (with ``others``, the
-    other blocks too, whole). None if nothing is left."""
+    other blocks too, whole); and the rows of its Ray Data blocks (``ray_block_rows``). None
+    if nothing is left. ``block_rows``: the plan's rows per block; ``slots``: the engine calls
+    that run at once over the whole job (replicas x blocks in flight)."""
     todo = [b for b in plan.blocks if b.ordinal not in skip_blocks
             and (only_rows is None or others or b.ordinal in only_rows)]
     if not todo:
-        return None
+        return None, block_rows
+    rows = sum(len(only_rows[b.ordinal]) if only_rows and b.ordinal in only_rows
+               else b.num_rows for b in todo)
+    per_block = ray_block_rows(rows, block_rows, slots)
     # Reading is light: a fraction of a CPU, so it never starves the engine on a small machine.
-    # One task per read unit; asking for one output block per planned block makes Ray Data
-    # cut each unit's output back into blocks, so the engine's stage gets as many tasks (and
-    # blocks in flight) as before, not one task per unit that would run its blocks in turn.
-    return ray.data.read_datasource(TableDatasource(todo, plan.schema, only_rows),
-                                    num_cpus=0.25, override_num_blocks=len(todo))
+    # One task per read unit; asking for this many output blocks makes Ray Data cut each
+    # unit's output into pieces of about ``per_block`` rows.
+    ds = ray.data.read_datasource(TableDatasource(todo, plan.schema, only_rows),
+                                  num_cpus=0.25, override_num_blocks=-(-rows // per_block))
+    return ds, per_block
+
+
+RAY_BLOCK_ROWS = 4096  # rows a Ray Data block carries, at most, once a job is large enough
+ROUNDS = 8  # Ray Data blocks per engine slot, at least: the job's tail waits on one at most
+
+
+def ray_block_rows(rows: int, block_rows: int, slots: int) -> int:
+    """The rows of a Ray Data block, a whole number of the plan's blocks.
+
+    A plan's block (``resources.batch_size`` rows) is the engine's unit of work and the
+    writer's of commit, and the engine's stage cuts Ray Data's blocks back into them
+    (udfs/chain.py). Each Ray Data block costs the driver ~8 KB of bookkeeping for the rest of
+    the job, and a task to schedule: 10M rows in 256-row blocks would grow it by ~300 MiB. So
+    a large job moves ~4,096-row blocks, and a small one keeps ``ROUNDS`` of them per slot:
+    every engine has work, and the blocks left at the end are short."""
+    per_slot = rows // (max(slots, 1) * ROUNDS)
+    blocks = max(1, min(per_slot // block_rows, RAY_BLOCK_ROWS // block_rows))
+    return blocks * block_rows

@@ -35,11 +35,11 @@ def report_path(output: str | Path | Location) -> Location:
 
 
 def build_report(output: str | Path, record: dict, *, timings: dict | None = None,
-                 parts: list[dict] | None = None, samples: list[dict] | None = None,
+                 times: RunTimes | None = None, samples: list[dict] | None = None,
                  stats: list[dict] | None = None) -> dict:
     """The report of a committed output. ``record`` is the job record (config, fingerprint);
-    ``timings`` ({started, planned, ray_ready, finished}, Unix seconds) and ``parts`` (this
-    run's part records from the writer) add the time split and the throughput; ``samples``
+    ``timings`` ({started, planned, ray_ready, finished}, Unix seconds) and ``times`` (this
+    run's part records from the writer, added up) add the time split and the throughput; ``samples``
     (the replicas' live token counts over time) the throughput over time. ``stats``: each
     output file's counts (pipelines/compact.py), as the compaction returned them; without
     them they are counted from the output, a file at a time."""
@@ -89,8 +89,8 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     if steps:  # a job with steps: each step's rows in and out, dropped, errors, tokens, time
         report["steps"] = steps
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
-    if timings and parts is not None:
-        report.update(_times(timings, parts))
+    if timings and times is not None:
+        report.update(_times(timings, times))
         if samples:  # the throughput as the replicas generated it, not as parts landed
             report["samples"] = [{"t": round(s["t"] - timings["started"], 2),
                                   "tokens": s["tokens"]} for s in samples]
@@ -193,35 +193,71 @@ def _cost(prices: dict | None, tokens: dict) -> dict | None:
             "total": round(cost_in + cost_out, 6)}
 
 
-def _times(timings: dict, parts: list[dict]) -> dict:
+class RunTimes:
+    """This run's part records (from the writer), added up as they land: when the engines
+    were ready, each replica's rows and tokens, and a timeline of at most ``points`` time
+    slices. The driver keeps a few numbers per replica, not a record per part (a 10M-row job
+    writes ~39,000 parts)."""
+
+    def __init__(self, started: float, points: int = 512):
+        self.started, self.points, self.width = started, points, 1.0  # a slice's seconds
+        self.tokens = 0  # every part's; the rest counts generated parts only
+        self.rows = self.prompt_tokens = 0
+        self.ready: float | None = None
+        self.last: float | None = None
+        self.replicas: dict[str, dict] = {}
+        self.slices: dict[int, list] = {}  # slice -> [last done_at, rows, output tokens]
+
+    def add(self, part: dict) -> None:
+        self.tokens += part["completion_tokens"]
+        if part.get("ready_at") is None:
+            return
+        ready, done = part["ready_at"], part["done_at"]
+        self.rows += part["rows"]
+        self.prompt_tokens += part["prompt_tokens"]
+        self.ready = ready if self.ready is None else min(self.ready, ready)
+        self.last = done if self.last is None else max(self.last, done)
+        r = self.replicas.setdefault(part["replica"], {"rows": 0, "output_tokens": 0,
+                                                       "parts": 0, "ready_at": ready,
+                                                       "last_done_at": done})
+        r["rows"] += part["rows"]
+        r["output_tokens"] += part["completion_tokens"]
+        r["parts"] += 1
+        r["ready_at"], r["last_done_at"] = min(r["ready_at"], ready), max(r["last_done_at"], done)
+        self._slice(done - self.started, part["rows"], part["completion_tokens"])
+
+    def _slice(self, t: float, rows: int, tokens: int) -> None:
+        entry = self.slices.setdefault(int(t // self.width), [t, 0, 0])
+        entry[0], entry[1], entry[2] = max(entry[0], t), entry[1] + rows, entry[2] + tokens
+        if len(self.slices) > self.points:  # twice as wide: the timeline stays bounded
+            old, self.slices, self.width = self.slices, {}, self.width * 2
+            for last, n, k in old.values():
+                merged = self.slices.setdefault(int(last // self.width), [last, 0, 0])
+                merged[0], merged[1], merged[2] = max(merged[0], last), merged[1] + n, \
+                    merged[2] + k
+
+    def timeline(self) -> list[dict]:
+        return [{"t": round(t, 2), "rows": n, "output_tokens": k}
+                for t, n, k in sorted(self.slices.values())]
+
+
+def _times(timings: dict, times: RunTimes) -> dict:
     """Start-up vs generation, throughput overall / per replica / over time."""
     started, finished = timings["started"], timings["finished"]
-    generated = [p for p in parts if p.get("ready_at") is not None]
-    ready = min((p["ready_at"] for p in generated), default=finished)
-    last = max((p["done_at"] for p in generated), default=finished)
-    tokens = sum(p["completion_tokens"] for p in parts)
+    ready = times.ready if times.ready is not None else finished
+    last = times.last if times.last is not None else finished
     generation = max(last - ready, 1e-9)
-    replicas: dict[str, dict] = defaultdict(lambda: {"rows": 0, "output_tokens": 0, "parts": 0})
-    for p in generated:
-        r = replicas[p["replica"]]
-        r["rows"] += p["rows"]
-        r["output_tokens"] += p["completion_tokens"]
-        r["parts"] += 1
-        r["ready_at"] = min(r.get("ready_at", p["ready_at"]), p["ready_at"])
-        r["last_done_at"] = max(r.get("last_done_at", p["done_at"]), p["done_at"])
     per_replica = []
-    for label, r in sorted(replicas.items()):
+    for label, r in sorted(times.replicas.items()):
         where = json.loads(label)
-        busy = max(r.pop("last_done_at") - r.pop("ready_at"), 1e-9)
+        busy = max(r["last_done_at"] - r["ready_at"], 1e-9)
         per_replica.append({"node": where.get("node"), "node_id": where.get("node_id"),
                             "actor": where.get("actor"),
                             "gpus": where.get("gpus", []),
                             "cpu_threads": where.get("cpu_threads"), "dtype": where.get("dtype"),
-                            **r, "seconds": round(busy, 2),
+                            "rows": r["rows"], "output_tokens": r["output_tokens"],
+                            "parts": r["parts"], "seconds": round(busy, 2),
                             "output_tokens_per_s": round(r["output_tokens"] / busy, 1)})
-    timeline = sorted(({"t": round(p["done_at"] - started, 2), "rows": p["rows"],
-                        "output_tokens": p["completion_tokens"]} for p in generated),
-                      key=lambda e: e["t"])
     return {
         "time": {"total_s": round(finished - started, 2),
                  "startup_s": round(ready - started, 2),
@@ -230,14 +266,13 @@ def _times(timings: dict, parts: list[dict]) -> dict:
                  "engine_start_s": round(ready - timings["ray_ready"], 2),
                  "generation_s": round(generation, 2),
                  "finish_s": round(finished - last, 2)},
-        "throughput": {"output_tokens": tokens,
-                       "output_tokens_per_s": round(tokens / generation, 1),
+        "throughput": {"output_tokens": times.tokens,
+                       "output_tokens_per_s": round(times.tokens / generation, 1),
                        # what a pooling task (embed, score, classify) is measured by
-                       "rows_per_s": round(sum(p["rows"] for p in generated) / generation, 1),
-                       "prompt_tokens_per_s": round(sum(p["prompt_tokens"] for p in generated)
-                                                    / generation, 1),
+                       "rows_per_s": round(times.rows / generation, 1),
+                       "prompt_tokens_per_s": round(times.prompt_tokens / generation, 1),
                        "per_replica": per_replica},
-        "timeline": timeline,
+        "timeline": times.timeline(),
     }
 
 

@@ -203,3 +203,33 @@ def test_report_rebuilt_from_the_output_alone(job):
     assert rebuilt["rows"] == summary.report["rows"]
     assert rebuilt["tokens"] == summary.report["tokens"]
     assert "time" not in rebuilt
+
+
+def test_ray_blocks_of_several_plan_blocks_are_cut_back_into_them(tiny_model, ray_cluster,
+                                                                   tmp_path, llm):
+    """A job with more plan blocks than its engine slots want moves several in each Ray Data
+    block (pipelines/read.py); the engine's stage cuts them back: one part per plan block,
+    every row once, in order, and the same greedy text as vLLM's own chat path."""
+    import vllm
+
+    from pipelines.read import ray_block_rows
+
+    rows = [{"sku": f"K{i:03d}", "title": f"Mug {i}", "description": f"Holds tea, {i} cups."}
+            for i in range(48)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_config(job_config(tiny_model, tmp_path / "in.jsonl", tmp_path / "out",
+                                    input={"id_column": "sku"},
+                                    sampling={"temperature": 0.0, "max_tokens": 4},
+                                    resources={"batch_size": 2, "blocks_in_flight": 1}))
+    assert ray_block_rows(len(rows), 2, 1) == 6  # 8 Ray Data blocks of 3 plan blocks each
+    summary = run_job(config)
+    out = pl.read_parquet(tmp_path / "out")
+    assert out["sku"].to_list() == [r["sku"] for r in rows]
+    assert out["error"].null_count() == len(rows)
+    (replica,) = summary.report["throughput"]["per_replica"]
+    assert replica["parts"] == len(rows) // 2  # each plan block a part of its own
+    reference = llm.chat([[{"role": "system", "content": config.prompt.system},
+                           {"role": "user", "content": f"Title: {r['title']}\n"
+                                                       f"{r['description']}"}] for r in rows],
+                         vllm.SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert out["rewritten"].to_list() == [r.outputs[0].text for r in reference]

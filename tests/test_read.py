@@ -169,3 +169,25 @@ def test_read_units_break_at_row_groups_and_at_done_blocks(tmp_path: Path):
     assert [u.num_rows for u in units] == [16, 14]
     assert [v for u in units for t in read_unit(u, jsonl.schema)
             for v in t.column("x").to_pylist()] == list(range(100, 130))
+
+
+def test_ray_blocks_are_whole_plan_blocks_large_for_large_jobs_and_many_for_small():
+    """A Ray Data block costs the driver ~8 KB for the rest of the job: a large job moves
+    ~4,096-row blocks; a small one keeps 8 per engine slot (so each engine has work)."""
+    from pipelines.read import RAY_BLOCK_ROWS, ROUNDS, ray_block_rows
+
+    assert ray_block_rows(20, 8, 4) == 8  # a small job: one plan block each, as before
+    assert ray_block_rows(10_000_000, 256, 4) == RAY_BLOCK_ROWS == 4096
+    per = ray_block_rows(100_000, 256, 4)
+    assert per % 256 == 0 and -(-100_000 // per) >= 4 * ROUNDS
+    assert ray_block_rows(10_000_000, 8192, 4) == 8192  # never less than one plan block
+
+
+def test_the_engine_stage_cuts_ray_blocks_back_into_plan_blocks():
+    from udfs.chain import Chain
+
+    batch = pa.table({"x": list(range(10)), columns.ORDINAL: pa.array(range(20, 30), pa.int64())})
+    chain = Chain([], cut=((0, 24, 28), 3))  # plan blocks at 0, 24, 28; at most 3 rows each
+    pieces = [p.column(columns.ORDINAL).to_pylist() for p in chain.pieces(batch)]
+    assert pieces == [[20, 21, 22], [23], [24, 25, 26], [27], [28, 29]]
+    assert [p.num_rows for p in Chain([]).pieces(batch)] == [10]  # no cut: the batch whole

@@ -11,19 +11,44 @@ Data builds a callable class from ``fn_constructor_kwargs``.
 
 from __future__ import annotations
 
+import numpy as np
+
+from udfs import columns
+
 
 class Chain:
     """``map_batches`` callable class: ``stages`` is a list of ``(class, kwargs)``; a call runs
     a batch through each in turn. Thread-safe when every stage is (several blocks in flight
-    call it from several threads)."""
+    call it from several threads).
 
-    def __init__(self, stages: list[tuple[type, dict]]):
+    With ``cut`` (the plan's block starts, and its rows per block), a batch is first cut into
+    the plan's blocks: Ray Data moves several of them in one of its blocks (pipelines/read.py:
+    ``ray_block_rows``), while the engine takes one block at a time and the writer commits
+    each as a part. The pieces' outputs are yielded one by one."""
+
+    def __init__(self, stages: list[tuple[type, dict]],
+                 cut: tuple[tuple[int, ...], int] | None = None):
         self.stages = [cls(**kwargs) for cls, kwargs in stages]
+        self.starts, self.most = (None, None) if cut is None else \
+            (np.asarray(cut[0], dtype=np.int64), cut[1])
 
     def __call__(self, batch):
-        for stage in self.stages:
-            batch = stage(batch)
-        return batch
+        for piece in self.pieces(batch):
+            for stage in self.stages:
+                piece = stage(piece)
+            yield piece
+
+    def pieces(self, batch):
+        """The batch's runs of rows of one plan block, each of at most ``most`` rows."""
+        if self.starts is None or batch.num_rows == 0:
+            yield batch
+            return
+        ordinals = batch.column(columns.ORDINAL).to_numpy()
+        block = np.searchsorted(self.starts, ordinals, side="right")
+        bounds = [0, *(np.flatnonzero(np.diff(block)) + 1).tolist(), batch.num_rows]
+        for start, end in zip(bounds, bounds[1:]):
+            for first in range(start, end, self.most):
+                yield batch.slice(first, min(self.most, end - first))
 
     def close(self) -> None:
         for stage in self.stages:
