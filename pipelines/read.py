@@ -22,6 +22,7 @@ from pathlib import PurePosixPath
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import msgspec
 import ray.data
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
@@ -329,9 +330,29 @@ def _blank(raw: bytes) -> bool:
     return not raw.strip(b" \t\r\n")
 
 
+def _loads(raw: bytes):
+    """A JSONL line's value, as ``json.loads`` gives it. msgspec's decoder is twice as fast on
+    the common line; whatever it refuses (NaN, a lone surrogate, 1e400, a malformed line)
+    goes to ``json.loads``, which accepts the same lines as before or says why not."""
+    try:
+        return _DECODE(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return json.loads(raw)
+
+
+_DECODE = msgspec.json.Decoder().decode
+
+
 def _parse_jsonl_line(raw: bytes, file: str, lineno: int) -> dict | None:
     if _blank(raw):
         return None
+    try:
+        row = _DECODE(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    else:
+        if isinstance(row, dict):
+            return row
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -361,7 +382,7 @@ def _rows_schema(rows: list[dict], file, lines: list[int]) -> pa.Schema:
     their types; a value Arrow cannot hold is named with its line."""
     try:
         return pa.schema(pa.array(rows).type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError) as exc:
         for row, lineno in zip(rows, lines):
             for key, value in row.items():
                 try:
@@ -370,6 +391,10 @@ def _rows_schema(rows: list[dict], file, lines: list[int]) -> pa.Schema:
                     raise InputError(f"{file}:{lineno}: column {key!r}: "
                                      f"{_short(value)} does not fit a 64-bit integer; "
                                      "write it as a string") from None
+                except UnicodeEncodeError:
+                    raise InputError(f"{file}:{lineno}: column {key!r}: a string holds a "
+                                     "lone surrogate escape (such as \\ud800), which is not "
+                                     "text UTF-8 can hold") from None
                 except (pa.ArrowInvalid, pa.ArrowTypeError):
                     pass
         raise InputError(f"{file} (lines {lines[0]}-{lines[-1]}): values of mixed types: "
@@ -528,7 +553,7 @@ def _jsonl_blocks(unit: ReadUnit) -> Iterator[list[dict]]:
                 if not raw:
                     break
                 if not _blank(raw):
-                    rows.append(json.loads(raw))
+                    rows.append(_loads(raw))
             yield rows
 
 

@@ -191,3 +191,23 @@ def test_the_engine_stage_cuts_ray_blocks_back_into_plan_blocks():
     pieces = [p.column(columns.ORDINAL).to_pylist() for p in chain.pieces(batch)]
     assert pieces == [[20, 21, 22], [23], [24, 25, 26], [27], [28, 29]]
     assert [p.num_rows for p in Chain([]).pieces(batch)] == [10]  # no cut: the batch whole
+
+
+def test_jsonl_lines_the_fast_decoder_refuses_read_as_json_loads_reads_them(tmp_path: Path):
+    """msgspec decodes the common line; NaN and 1e400 go to json.loads, so the values (and
+    the lines refused, and why) are what they were. A lone surrogate escape is named."""
+    import math
+
+    lines = ['{"x": 1.5, "s": "plain"}', '{"x": NaN, "s": "\\u00e9"}', '{"x": 1e400, "s": "é"}']
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    plan = scan_input(str(tmp_path / "a.jsonl"), "auto", 8, None)
+    table = read_block(plan.blocks[0], plan.schema)
+    xs = table.column("x").to_pylist()
+    assert xs[0] == 1.5 and math.isnan(xs[1]) and xs[2] == math.inf
+    assert table.column("s").to_pylist() == ["plain", "é", "é"]
+    (tmp_path / "b.jsonl").write_text('{"x": 1}\n{"x": 2} trailing\n')
+    with pytest.raises(InputError, match=r"b.jsonl:2: not valid JSON: Extra data"):
+        scan_input(str(tmp_path / "b.jsonl"), "auto", 8, None)
+    (tmp_path / "c.jsonl").write_text('{"s": "ok"}\n{"s": "\\ud800"}\n')
+    with pytest.raises(InputError, match=r"c.jsonl:2: column 's': a string holds a lone surr"):
+        scan_input(str(tmp_path / "c.jsonl"), "auto", 8, None)
