@@ -18,8 +18,8 @@ import pyarrow as pa
 
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
-from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, renamed,
-                            resolve_files, scan_input)
+from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, read_unit,
+                            read_units, renamed, resolve_files, scan_input)
 from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
 from udfs.engine import EngineSpec
@@ -309,10 +309,10 @@ def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> 
         if plan.ids.nulls:
             raise InputError(f"input.id_column {id_column!r} is null in {plan.ids.nulls} "
                              "row(s)")
-        dupes = _repeated_ids(plan, id_column)
-        if dupes:
-            shown = ", ".join(repr(d) for d in dupes[:5])
-            raise InputError(f"input.id_column {id_column!r} is not unique: {len(dupes)} "
+        repeats, dupes = _repeated_ids(plan, id_column)
+        if repeats:
+            shown = ", ".join(repr(d) for d in dupes)
+            raise InputError(f"input.id_column {id_column!r} is not unique: {repeats} "
                              f"value(s) repeat, e.g. {shown}")
     for key in ("max_tokens_column", "overrides_column"):
         column = getattr(config.sampling, key)
@@ -339,20 +339,26 @@ _COLUMN_KINDS = {"max_tokens_column": "integers",
                  "overrides_column": "JSON objects (as text) or structs"}
 
 
-def _repeated_ids(plan: InputPlan, id_column: str) -> list:
-    """The ids that repeat. The scan kept 8-byte hashes only; where some repeat, the id column
-    is read again for the values behind them (and two ids that merely share a hash pass)."""
-    suspects = plan.ids.repeated()
-    if not suspects:
-        return []
+def _repeated_ids(plan: InputPlan, id_column: str, shown: int = 5) -> tuple[int, list]:
+    """How many ids repeat, and a few of them. The scan kept 8-byte hashes only; where some
+    repeat, the input is read once more (each row decoded once) for the values behind the
+    first few (two ids that merely share a hash pass: a 1-in-10^12 chance at 10M rows)."""
+    suspects = sorted(plan.ids.repeated())
     import polars as pl
 
-    counts: Counter = Counter()
-    for block in plan.blocks:
-        ids = pl.from_arrow(read_block(block, plan.schema).column(id_column))
-        hit = ids.drop_nulls().hash(seed=0).is_in(list(suspects))
-        counts.update(map(_hashable, ids.drop_nulls().filter(hit).to_list()))
-    return [v for v, n in counts.items() if n > 1]
+    for first in range(0, len(suspects), 64):  # a further pass only if all 64 were flukes
+        wanted = pl.Series(suspects[first:first + 64], dtype=pl.UInt64)
+        counts: Counter = Counter()
+        for unit in read_units(plan.blocks):
+            for table in read_unit(unit, plan.schema):
+                ids = pl.from_arrow(table.column(id_column)).drop_nulls()
+                counts.update(map(_hashable, ids.filter(ids.hash(seed=0).is_in(wanted))
+                                  .to_list()))
+        found = [v for v, n in counts.items() if n > 1]
+        if found:
+            exact = len(suspects) <= 64  # else the hashes' count, all but surely right
+            return (len(found) if exact else len(suspects)), found[:shown]
+    return 0, []
 
 
 def _hashable(value):

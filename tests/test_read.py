@@ -211,3 +211,26 @@ def test_jsonl_lines_the_fast_decoder_refuses_read_as_json_loads_reads_them(tmp_
     (tmp_path / "c.jsonl").write_text('{"s": "ok"}\n{"s": "\\ud800"}\n')
     with pytest.raises(InputError, match=r"c.jsonl:2: column 's': a string holds a lone surr"):
         scan_input(str(tmp_path / "c.jsonl"), "auto", 8, None)
+
+
+def test_repeated_ids_are_found_in_one_pass_and_named(tmp_path: Path, monkeypatch):
+    """The scan keeps 8-byte hashes; where ids repeat, the values behind them are read in one
+    more pass, each row decoded once (a block at a time decoded a one-group file per block)."""
+    from pipelines.preflight import _repeated_ids
+
+    ids = [f"id{i}" for i in range(1000)]
+    ids[900], ids[950], ids[999] = "id3", "id3", "id7"
+    pq.write_table(pa.table({"id": ids}), tmp_path / "one.parquet", row_group_size=1000)
+    plan = scan_input(str(tmp_path / "one.parquet"), "auto", 10, "id")
+    decoded = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def counting(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            decoded.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counting)
+    repeats, shown = _repeated_ids(plan, "id")
+    assert (repeats, sorted(shown)) == (2, ["id3", "id7"])
+    assert sum(decoded) == 1000

@@ -96,7 +96,7 @@ if os.environ.get("OVERNIGHT_BENCH_DRIVER_TRACE"):
                 _trace.write(f"t {time.time() - _t0:.1f} rss_mib {_rss_mib():.1f} "
                              f"python_mib {current / 2**20:.1f}\n")
                 _trace.flush()
-                time.sleep(5)
+                time.sleep(float(os.environ.get("OVERNIGHT_BENCH_DRIVER_TRACE_EVERY", "5")))
 
         threading.Thread(target=_sample, daemon=True).start()
 
