@@ -118,22 +118,28 @@ def test_jsonl_keys_and_types_come_from_every_row(tmp_path: Path):
     assert table.column("m").to_pylist() == [None, "{}"]
 
 
-def test_each_row_is_decoded_once_on_a_one_row_group_file(tmp_path: Path, monkeypatch):
+@pytest.fixture
+def decoded(monkeypatch) -> list[int]:
+    """The rows of each Parquet batch decoded from here on (counted, not timed)."""
+    rows: list[int] = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def counting(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            rows.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counting)
+    return rows
+
+
+def test_each_row_is_decoded_once_on_a_one_row_group_file(tmp_path: Path, decoded):
     """Counted, not timed: a 1,000-row file in one row group, cut into 100 blocks, is decoded
     in one pass (each block re-read its whole row group before: 100,000 rows decoded)."""
     from pipelines.read import read_unit, read_units
 
     pq.write_table(pa.table({"x": list(range(1000))}), tmp_path / "one.parquet",
                    row_group_size=1000)
-    decoded = []
-    iter_batches = pq.ParquetFile.iter_batches
-
-    def counting(self, *args, **kwargs):
-        for batch in iter_batches(self, *args, **kwargs):
-            decoded.append(batch.num_rows)
-            yield batch
-
-    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counting)
     plan = scan_input(str(tmp_path / "one.parquet"), "auto", 10, None)
     units = read_units(plan.blocks)
     assert len(plan.blocks) == 100 and len(units) == 1
@@ -213,7 +219,7 @@ def test_jsonl_lines_the_fast_decoder_refuses_read_as_json_loads_reads_them(tmp_
         scan_input(str(tmp_path / "c.jsonl"), "auto", 8, None)
 
 
-def test_repeated_ids_are_found_in_one_pass_and_named(tmp_path: Path, monkeypatch):
+def test_repeated_ids_are_found_in_one_pass_and_named(tmp_path: Path, decoded):
     """The scan keeps 8-byte hashes; where ids repeat, the values behind them are read in one
     more pass, each row decoded once (a block at a time decoded a one-group file per block)."""
     from pipelines.preflight import _repeated_ids
@@ -222,15 +228,7 @@ def test_repeated_ids_are_found_in_one_pass_and_named(tmp_path: Path, monkeypatc
     ids[900], ids[950], ids[999] = "id3", "id3", "id7"
     pq.write_table(pa.table({"id": ids}), tmp_path / "one.parquet", row_group_size=1000)
     plan = scan_input(str(tmp_path / "one.parquet"), "auto", 10, "id")
-    decoded = []
-    iter_batches = pq.ParquetFile.iter_batches
-
-    def counting(self, *args, **kwargs):
-        for batch in iter_batches(self, *args, **kwargs):
-            decoded.append(batch.num_rows)
-            yield batch
-
-    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counting)
+    decoded.clear()  # the scan read the id column
     repeats, shown = _repeated_ids(plan, "id")
     assert (repeats, sorted(shown)) == (2, ["id3", "id7"])
     assert sum(decoded) == 1000
