@@ -18,8 +18,8 @@ import pyarrow as pa
 
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
-from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, read_unit,
-                            read_units, renamed, resolve_files, scan_input)
+from pipelines.read import (InputPlan, earlier_job, glob_regex, read_unit, read_units,
+                            renamed, resolve_files, scan_input)
 from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
 from udfs.engine import EngineSpec

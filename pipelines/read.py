@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Iterator
 from pathlib import PurePosixPath
 
+import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import msgspec
 import ray.data
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask

@@ -39,8 +39,8 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
                  stats: list[dict] | None = None) -> dict:
     """The report of a committed output. ``record`` is the job record (config, fingerprint);
     ``timings`` ({started, planned, ray_ready, finished}, Unix seconds) and ``times`` (this
-    run's part records from the writer, added up) add the time split and the throughput; ``samples``
-    (the replicas' live token counts over time) the throughput over time. ``stats``: each
+    run's part records from the writer, added up) add the time split and the throughput;
+    ``samples`` (the replicas' live token counts over time) the throughput over time. ``stats``: each
     output file's counts (pipelines/compact.py), as the compaction returned them; without
     them they are counted from the output, a file at a time."""
     from pipelines.compact import output_stats
@@ -228,13 +228,11 @@ class RunTimes:
 
     def _slice(self, t: float, rows: int, tokens: int) -> None:
         entry = self.slices.setdefault(int(t // self.width), [t, 0, 0])
-        entry[0], entry[1], entry[2] = max(entry[0], t), entry[1] + rows, entry[2] + tokens
+        entry[:] = max(entry[0], t), entry[1] + rows, entry[2] + tokens
         if len(self.slices) > self.points:  # twice as wide: the timeline stays bounded
-            old, self.slices, self.width = self.slices, {}, self.width * 2
-            for last, n, k in old.values():
-                merged = self.slices.setdefault(int(last // self.width), [last, 0, 0])
-                merged[0], merged[1], merged[2] = max(merged[0], last), merged[1] + n, \
-                    merged[2] + k
+            old, self.slices, self.width = self.slices.values(), {}, self.width * 2
+            for last, n, k in old:
+                self._slice(last, n, k)
 
     def timeline(self) -> list[dict]:
         return [{"t": round(t, 2), "rows": n, "output_tokens": k}
