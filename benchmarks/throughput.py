@@ -129,8 +129,10 @@ def bare_llm(model: str, dtype: str, kv_bytes: int):
                     enforce_eager=True, enable_chunked_prefill=False)
 
 
-def tree_sample(pid: int, cpu: dict, memory: bool = True) -> tuple[int, int, dict[str, int]]:
-    """(RSS, PSS, PSS by role) summed over a process tree. RSS counts a page shared by several
+def tree_sample(pid: int, cpu: dict, memory: bool = True,
+                private: dict | None = None) -> tuple[int, int, dict[str, int]]:
+    """(RSS, PSS, PSS by role) summed over a process tree (and each role's USS, its private
+    memory, added to ``private``). RSS counts a page shared by several
     processes (Ray's object store, mapped by the driver and every worker; shared libraries)
     once per process; PSS splits it among them, so its sum is the tree's real footprint. The
     role is what a process is: the driver, gcs_server, raylet, or a Ray worker's title
@@ -159,6 +161,8 @@ def tree_sample(pid: int, cpu: dict, memory: bool = True) -> tuple[int, int, dic
             continue
         rss, pss = rss + info.rss, pss + info.pss
         roles[role] = roles.get(role, 0) + info.pss
+        if private is not None:
+            private[role] = private.get(role, 0) + info.uss
     return rss, pss, roles
 
 
@@ -172,6 +176,9 @@ def _role(cmdline: list[str]) -> str:
         if name in line:
             return name
     return (cmdline[0].rsplit("/", 1)[-1] if cmdline else "?") + " (other)"
+
+
+TIMELINE_POINTS = 200  # the tree's PSS over a run, kept to a few hundred samples
 
 
 def run_pipeline(config: dict, work: Path, name: str, memory: bool, env: dict | None = None,
@@ -190,12 +197,28 @@ def run_pipeline(config: dict, work: Path, name: str, memory: bool, env: dict | 
                             env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak, peak_pss, first_part, by_role, cpu = 0, 0, None, {}, {}
+    at_peak: dict = {}  # the tree at its PSS peak: when, and each kind of process's share
+    # (seconds, tree PSS MiB, {kind of process: its PSS MiB}, {...: its private memory, USS
+    # MiB: PSS less its share of pages other processes map too, the object store's}), at most
+    # TIMELINE_POINTS
+    timeline: list = []
 
     def sample():
-        nonlocal peak, peak_pss, first_part
+        nonlocal peak, peak_pss, first_part, at_peak
         while proc.poll() is None:
-            rss, pss, roles = tree_sample(proc.pid, cpu, memory)
-            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
+            own: dict[str, int] = {}
+            rss, pss, roles = tree_sample(proc.pid, cpu, memory, private=own)
+            now = round(time.time() - started, 1)
+            peak = max(peak, rss)
+            if pss > peak_pss:
+                peak_pss = pss
+                at_peak = {"s": now, "by_process": roles}
+            if memory:
+                timeline.append((now, round(pss / 2**20),
+                                 {k: round(v / 2**20) for k, v in roles.items() if v >= 2**25},
+                                 {k: round(v / 2**20) for k, v in own.items() if v >= 2**25}))
+                if len(timeline) >= 2 * TIMELINE_POINTS:
+                    timeline[:] = timeline[::2]
             for role, size in roles.items():
                 by_role[role] = max(by_role.get(role, 0), size)
             if first_part is None and staging.exists() and any(staging.glob("part-*")):
@@ -213,7 +236,12 @@ def run_pipeline(config: dict, work: Path, name: str, memory: bool, env: dict | 
     if memory:
         out.update({"peak_rss_mib": peak / 2**20, "peak_pss_mib": peak_pss / 2**20,
                     "peak_pss_mib_by_process": {k: round(v / 2**20, 1) for k, v in
-                                                sorted(by_role.items(), key=lambda kv: -kv[1])}})
+                                                sorted(by_role.items(), key=lambda kv: -kv[1])},
+                    "peak_pss_at_s": at_peak.get("s"),
+                    "pss_mib_at_peak_by_process": {
+                        k: round(v / 2**20, 1) for k, v in
+                        sorted(at_peak.get("by_process", {}).items(), key=lambda kv: -kv[1])},
+                    "pss_timeline_mib": timeline})
     return out
 
 

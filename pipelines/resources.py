@@ -22,6 +22,7 @@ from pipelines.errors import JobError
 # starve the engine of the cores it needs, nor deadlock waiting for them.
 LIGHT_STAGE_CPUS = 0.25
 LIGHT_STAGES_CPUS = 3 * LIGHT_STAGE_CPUS  # a read task, the parser and the writer, at once
+TASK_EVENTS_KEPT = 10_000  # task records a Ray started here keeps in its GCS (Ray: 100,000)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,11 @@ def ray_session(address: str | None = None, verbose: bool = False):
                          logging_level=logging.INFO if verbose else logging.ERROR)
     if address is None:
         options["include_dashboard"] = False
+        # Ray's GCS keeps a record of every task and actor call (100,000 by default, ~3 KB
+        # each): a 10M-row job makes ~80,000 of them (two health calls a block), which grew
+        # the GCS by ~270 MiB. The records serve Ray's dashboard and state API, which a job
+        # started here does not run; a few thousand are plenty to debug one.
+        os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(TASK_EVENTS_KEPT))
     else:
         import pipelines
         import udfs

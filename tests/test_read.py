@@ -232,3 +232,24 @@ def test_repeated_ids_are_found_in_one_pass_and_named(tmp_path: Path, decoded):
     repeats, shown = _repeated_ids(plan, "id")
     assert (repeats, sorted(shown)) == (2, ["id3", "id7"])
     assert sum(decoded) == 1000
+
+
+def test_ray_data_reads_only_a_few_blocks_per_engine_ahead(tmp_path: Path, ray_cluster):
+    """Left to its default, Ray Data reads a large table far ahead of the engines, into
+    memory that grows with the table; the job's dataset holds a budget that does not."""
+    from pipelines.read import READ_AHEAD_BLOCKS, READ_AHEAD_MIN, read_ahead_bytes, read_dataset
+
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": [f"{i:04d}" * 250 for i in range(64)]}), path)
+    plan = scan_input(str(path), "auto", block_rows=8, id_column=None)
+    assert 64_000 <= plan.data_bytes < 80_000  # Parquet's uncompressed size, about
+    ds, per_block = read_dataset(plan, block_rows=8, slots=2)
+    assert ds.context.execution_options.resource_limits.object_store_memory == READ_AHEAD_MIN
+    # a wide table over many engines: a few of its blocks per engine slot, whatever the size
+    wide = plan.__class__(**{**plan.__dict__, "num_rows": 64, "data_bytes": 64 << 20})
+    assert read_ahead_bytes(wide, 4096, 32) == (1 << 20) * 4096 * READ_AHEAD_BLOCKS * 32
+    # the session's own context is left as it was
+    import ray.data
+
+    assert ray.data.DataContext.get_current().execution_options.resource_limits \
+        .object_store_memory != READ_AHEAD_MIN
