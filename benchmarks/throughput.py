@@ -205,6 +205,7 @@ def run_pipeline(config: dict, work: Path, name: str, memory: bool, env: dict | 
 
     def sample():
         nonlocal peak, peak_pss, first_part, at_peak
+        samples, stride = 0, 1
         while proc.poll() is None:
             own: dict[str, int] = {}
             rss, pss, roles = tree_sample(proc.pid, cpu, memory, private=own)
@@ -213,12 +214,13 @@ def run_pipeline(config: dict, work: Path, name: str, memory: bool, env: dict | 
             if pss > peak_pss:
                 peak_pss = pss
                 at_peak = {"s": now, "by_process": roles}
-            if memory:
+            samples += 1
+            if memory and samples % stride == 0:  # every stride-th sample: evenly spaced
                 timeline.append((now, round(pss / 2**20),
                                  {k: round(v / 2**20) for k, v in roles.items() if v >= 2**25},
                                  {k: round(v / 2**20) for k, v in own.items() if v >= 2**25}))
                 if len(timeline) >= 2 * TIMELINE_POINTS:
-                    timeline[:] = timeline[::2]
+                    timeline[:], stride = timeline[1::2], 2 * stride
             for role, size in roles.items():
                 by_role[role] = max(by_role.get(role, 0), size)
             if first_part is None and staging.exists() and any(staging.glob("part-*")):
