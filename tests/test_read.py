@@ -1,5 +1,6 @@
 """Reading: files are found, checked and cut into ordered blocks before any engine starts."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -246,7 +247,7 @@ def test_ray_data_reads_only_a_few_blocks_per_engine_ahead(tmp_path: Path, ray_c
     ds, per_block = read_dataset(plan, block_rows=8, slots=2)
     assert ds.context.execution_options.resource_limits.object_store_memory == READ_AHEAD_MIN
     # a wide table over many engines: a few of its blocks per engine slot, whatever the size
-    wide = plan.__class__(**{**plan.__dict__, "num_rows": 64, "data_bytes": 64 << 20})
+    wide = dataclasses.replace(plan, data_bytes=64 << 20)  # 1 MiB a row, its 64 rows
     assert read_ahead_bytes(wide, 4096, 32) == (1 << 20) * 4096 * READ_AHEAD_BLOCKS * 32
     # the session's own context is left as it was
     import ray.data
