@@ -142,11 +142,13 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
         after.append(writer)
     engine_stages = [stage] if after else [stage, writer]
     ds = ds.map_batches(chain_named_for(engine_stages),
-                        # Ray Data's blocks, cut back into the plan's blocks in the actor; a
-                        # block may come in pieces, each written as a part of its own
+                        # Ray Data's blocks, cut back into the plan's blocks in the actor, as
+                        # many at once as the engine takes; a block may come in pieces, each
+                        # written as a part of its own
                         fn_constructor_kwargs={"stages": engine_stages,
                                                "cut": (layout.block_starts,
-                                                       resources.batch_size)},
+                                                       resources.batch_size),
+                                               "at_once": resources.blocks_in_flight},
                         # by rows, not whole blocks (Ray Data insists on it for GPU stages)
                         batch_format="pyarrow", batch_size=ray_block_rows,
                         **replicas.remote_args(),

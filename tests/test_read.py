@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -199,6 +201,47 @@ def test_the_engine_stage_cuts_ray_blocks_back_into_plan_blocks():
     assert pieces == [[20, 21, 22], [23], [24, 25, 26], [27], [28, 29]]
     assert [p.num_rows for p in Chain([]).pieces(batch)] == [10]  # no cut: the batch whole
 
+
+
+class _Held:
+    """A stage that holds each piece a while and counts how many it holds at once."""
+
+    def __init__(self, hold: float = 0.2):
+        self.hold, self.now, self.most = hold, 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, piece):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(self.hold)
+        with self.lock:
+            self.now -= 1
+        return piece
+
+
+def test_a_batchs_pieces_reach_the_engine_at_once_up_to_the_blocks_in_flight():
+    """One piece after another, a batch's later pieces waited for the earlier ones to finish
+    generating (the long-output benchmark's engine ran part empty): they run at once, at
+    most ``at_once`` over all the actor's calls, and come out in input order."""
+    from udfs.chain import Chain
+
+    batch = pa.table({columns.ORDINAL: pa.array(range(2, 14), pa.int64())})
+    chain = Chain([], cut=((0, 4, 8, 12), 4), at_once=3)
+    chain.stages = [held := _Held()]
+    out = [p.column(columns.ORDINAL).to_pylist() for p in chain(batch)]
+    assert out == [[2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    assert held.most == 3  # four pieces, three at once
+
+    # two calls at once (the actor's blocks in flight): still three pieces at most
+    held.most = 0
+    threads = [threading.Thread(target=lambda: list(chain(batch))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert held.most == 3
+    chain.close()
 
 def test_jsonl_lines_the_fast_decoder_refuses_read_as_json_loads_reads_them(tmp_path: Path):
     """msgspec decodes the common line; NaN and 1e400 go to json.loads, so the values (and
