@@ -61,9 +61,9 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 
 class Sampler:
-    """Every EVERY_S seconds, a process tree's CPU seconds by kind of process, and the threads'
-    of the engine's process (the one whose kind contains ``engine_role``; without it, the
-    root), kept as a timeline."""
+    """Every EVERY_S seconds, a process tree's CPU seconds by kind of process
+    (benchmarks/throughput.py's tree_sample), and those of the threads of the engine's process
+    (the one whose kind contains ``engine_role``; without it, the root), kept as a timeline."""
 
     def __init__(self, proc: subprocess.Popen, engine_role: str | None):
         self.proc, self.engine_role = proc, engine_role
@@ -73,30 +73,15 @@ class Sampler:
         self.thread.start()
 
     def _run(self) -> None:
-        import psutil
-
-        cpu: dict[int, tuple[str, float]] = {}
+        cpu: dict[int, tuple[str, float]] = {}  # by pid: its kind, its CPU seconds so far
         while self.proc.poll() is None:
+            bench.tree_sample(self.proc.pid, cpu, memory=False)
             threads: dict[int, float] = {}
-            try:
-                root = psutil.Process(self.proc.pid)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                break
-            for p in procs:
-                try:
-                    role = "driver" if p.pid == self.proc.pid else bench._role(p.cmdline())
-                    times = p.cpu_times()
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                cpu[p.pid] = (role, times.user + times.system)
-                if (p.pid == self.proc.pid if self.engine_role is None
+            for pid, (role, _) in cpu.items():
+                if (pid == self.proc.pid if self.engine_role is None
                         else self.engine_role in role):
-                    threads.update(thread_cpu(p.pid))
-            by_role: dict[str, float] = {}
-            for role, seconds in cpu.values():
-                by_role[role] = by_role.get(role, 0.0) + seconds
-            self.timeline.append((time.time() - self.started, by_role, threads))
+                    threads.update(thread_cpu(pid))
+            self.timeline.append((time.time() - self.started, bench._cpu_by_role(cpu), threads))
             time.sleep(EVERY_S)
 
     def window(self, start: float, end: float, top: int = 8) -> dict:
