@@ -8,7 +8,9 @@ run's CPU went in its generation window.
         {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}}'                          # a bare arm's env
 
 ARMS is a JSON object: a name, and the environment variables that arm adds. An arm whose name
-starts with "bare" runs bare vLLM with them; the others run ``overnight run``. Each round runs
+starts with "bare" runs bare vLLM with them; the others run ``overnight run``, whose job a
+"_config" entry changes: sections of the job's YAML, each merged into the job's (e.g.
+``{"_config": {"engine": {"cpu_threads": 1}}}``). Each round runs
 bare vLLM with no additions first (every ratio compares an arm with it), then the arms, their
 order reversed every other round: this machine's speed drifts 10-20 % over minutes, so only a
 round's neighbours are compared. The job is benchmarks/prefill.py's (the tiny model, float32,
@@ -168,7 +170,10 @@ def main() -> None:
                 r = run_bare(spec, arms[name])
                 r["identical_to_bare"] = r.pop("texts") == texts
             else:
-                r = run_overnight(config, work, arms[name])
+                env = dict(arms[name])
+                job = {**config, **{section: {**config.get(section, {}), **values}
+                                    for section, values in env.pop("_config", {}).items()}}
+                r = run_overnight(job, work, env)
                 table = pl.read_parquet(work / "out-ab")
                 r["identical_to_bare"] = table[prefill.OUTPUT_COLUMN].to_list() == texts
             r["generation_ratio"] = round(base["generate_s"] / r["generate_s"], 3)
