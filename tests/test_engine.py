@@ -123,3 +123,23 @@ def test_waiting_requests_go_longest_first_and_none_waits_forever():
     assert [(b is late, i) for b, i in (waiting.pop() for _ in range(5))] == [
         (True, 0), (False, 3), (True, 1), (False, 0), (True, 2)]
     assert not waiting
+
+
+def test_the_c_heap_is_trimmed_at_most_once_a_trim_interval(monkeypatch):
+    # Trimming after every block handed back the pages the engine reuses for each step's
+    # activations: they faulted in again, and the prefill-heavy job ran ~0.1 slower (#24)
+    import time
+
+    import udfs.predictor as predictor
+
+    trims = []
+    monkeypatch.setattr(predictor, "_malloc_trim", trims.append)
+    monkeypatch.setattr(predictor, "_trimmed_at", None)
+    for _ in range(5):  # blocks in quick succession: the first trims
+        predictor.release_free_memory()
+    assert trims == [0]
+    # a trim interval later, the next block trims again, and the one after it does not
+    monkeypatch.setattr(predictor, "_trimmed_at", time.monotonic() - predictor.TRIM_EVERY_S - 1)
+    predictor.release_free_memory()
+    predictor.release_free_memory()
+    assert trims == [0, 0]
