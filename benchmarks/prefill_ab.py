@@ -10,7 +10,10 @@ run's CPU went in its generation window.
 ARMS is a JSON object: a name, and the environment variables that arm adds. An arm whose name
 starts with "bare" runs bare vLLM with them; the others run ``overnight run``, whose job a
 "_config" entry changes: sections of the job's YAML, each merged into the job's (e.g.
-``{"_config": {"engine": {"cpu_threads": 1}}}``). Each round runs
+``{"_config": {"engine": {"cpu_threads": 1}}}``). A bare arm's "_nice" entry starts bare vLLM
+at that nice value: Ray starts its workers, the engine's among them, at nice 15
+(``RAY_worker_niceness``; an overnight arm's ``{"RAY_worker_niceness": "0"}`` changes that).
+Each round runs
 bare vLLM with no additions first (every ratio compares an arm with it), then the arms, their
 order reversed every other round: this machine's speed drifts 10-20 % over minutes, so only a
 round's neighbours are compared. The job is benchmarks/prefill.py's (the tiny model, float32,
@@ -103,11 +106,13 @@ class Sampler:
                 "engine_threads": sorted(threads.values(), reverse=True)[:top]}
 
 
-def run_bare(spec: Path, env: dict) -> dict:
+def run_bare(spec: Path, env: dict, nice: int = 0) -> dict:
+    """``nice``: the bare process's priority (it runs at this nice value from its start)."""
     proc = subprocess.Popen([sys.executable, str(bench.REPO / "benchmarks" / "throughput.py"),
                              "_reference", "ceiling", str(spec)], cwd=bench.REPO,
                             env={**os.environ, **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
     sampler = Sampler(proc, engine_role=None)
     stdout, stderr = proc.communicate()
     if proc.returncode != 0:
@@ -167,7 +172,8 @@ def main() -> None:
         results = {"bare": base}
         for name in names:
             if name.startswith("bare"):
-                r = run_bare(spec, arms[name])
+                env = dict(arms[name])
+                r = run_bare(spec, env, nice=env.pop("_nice", 0))
                 r["identical_to_bare"] = r.pop("texts") == texts
             else:
                 env = dict(arms[name])
@@ -180,6 +186,9 @@ def main() -> None:
             r["whole_process_ratio"] = round(base["process_start_to_done_s"]
                                              / r["process_start_to_done_s"], 3)
             results[name] = r
+            print(f"  {name}: generate {r['generate_s']:.1f} s ({r['generation_ratio']} of "
+                  f"bare's {base['generate_s']:.1f}), whole {r['process_start_to_done_s']:.1f} s",
+                  file=sys.stderr)
         rounds.append(results)
         Path(args.out).write_text(json.dumps({"rows": args.rows, "max_tokens": args.max_tokens,
                                               "arms": arms, "rounds": rounds}, indent=1))
