@@ -171,12 +171,11 @@ def main() -> None:
         texts = base.pop("texts")
         results = {"bare": base}
         for name in names:
+            env = dict(arms[name])
             if name.startswith("bare"):
-                env = dict(arms[name])
                 r = run_bare(spec, env, nice=env.pop("_nice", 0))
                 r["identical_to_bare"] = r.pop("texts") == texts
             else:
-                env = dict(arms[name])
                 job = {**config, **{section: {**config.get(section, {}), **values}
                                     for section, values in env.pop("_config", {}).items()}}
                 r = run_overnight(job, work, env)
