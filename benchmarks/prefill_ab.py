@@ -11,7 +11,8 @@ ARMS is a JSON object: a name, and the environment variables that arm adds. An a
 starts with "bare" runs bare vLLM with them; the others run ``overnight run``, whose job a
 "_config" entry changes: sections of the job's YAML, each merged into the job's (e.g.
 ``{"_config": {"engine": {"cpu_threads": 1}}}``). A bare arm's "_nice" entry starts bare vLLM
-at that nice value: Ray starts its workers, the engine's among them, at nice 15
+at that nice value; an overnight arm's "_driver_nice" sets the driver's threads to that nice
+value once the engine's process is up. Ray starts its workers, the engine's among them, at nice 15
 (``RAY_worker_niceness``; an overnight arm's ``{"RAY_worker_niceness": "0"}`` changes that).
 Each round runs
 bare vLLM with no additions first (every ratio compares an arm with it), then the arms, their
@@ -65,13 +66,28 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def renice_threads(pid: int, nice: int) -> None:
+    """Every thread of ``pid`` to ``nice`` (Linux's setpriority changes one thread only)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) != nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:
+            pass
+
+
 class Sampler:
     """Every EVERY_S seconds, a process tree's CPU seconds by kind of process
     (benchmarks/throughput.py's tree_sample), and those of the threads of the engine's process
     (the one whose kind contains ``engine_role``; without it, the root), kept as a timeline."""
 
-    def __init__(self, proc: subprocess.Popen, engine_role: str | None):
-        self.proc, self.engine_role = proc, engine_role
+    def __init__(self, proc: subprocess.Popen, engine_role: str | None,
+                 driver_nice: int | None = None):
+        self.proc, self.engine_role, self.driver_nice = proc, engine_role, driver_nice
         self.started = time.time()
         self.timeline: list[tuple[float, dict[str, float], dict[int, float]]] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -86,6 +102,8 @@ class Sampler:
                 if (pid == self.proc.pid if self.engine_role is None
                         else self.engine_role in role):
                     threads.update(thread_cpu(pid))
+            if self.driver_nice is not None and threads:  # the engine is up: lower the driver
+                renice_threads(self.proc.pid, self.driver_nice)
             self.timeline.append((time.time() - self.started, bench._cpu_by_role(cpu), threads))
             time.sleep(EVERY_S)
 
@@ -123,7 +141,9 @@ def run_bare(spec: Path, env: dict, nice: int = 0) -> dict:
     return out
 
 
-def run_overnight(config: dict, work: Path, env: dict) -> dict:
+def run_overnight(config: dict, work: Path, env: dict, driver_nice: int | None = None) -> dict:
+    """``driver_nice``: the driver's threads are set to this nice value once the engine's
+    process is up (Ray's own processes, started by the driver before, keep theirs)."""
     import yaml
 
     path = work / "ab.yaml"
@@ -131,7 +151,7 @@ def run_overnight(config: dict, work: Path, env: dict) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(path), "--quiet",
                              "--overwrite"], cwd=bench.REPO, env={**os.environ, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sampler = Sampler(proc, engine_role="Predictor")
+    sampler = Sampler(proc, engine_role="Predictor", driver_nice=driver_nice)
     _, stderr = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"overnight run failed:\n{stderr[-2000:]}")
@@ -178,7 +198,7 @@ def main() -> None:
             else:
                 job = {**config, **{section: {**config.get(section, {}), **values}
                                     for section, values in env.pop("_config", {}).items()}}
-                r = run_overnight(job, work, env)
+                r = run_overnight(job, work, env, driver_nice=env.pop("_driver_nice", None))
                 table = pl.read_parquet(work / "out-ab")
                 r["identical_to_bare"] = table[prefill.OUTPUT_COLUMN].to_list() == texts
             r["generation_ratio"] = round(base["generate_s"] / r["generate_s"], 3)
