@@ -9,7 +9,11 @@ each of --max-tokens (1 and 8: a label, a few words), greedy, float32, the tiny 
 fresh processes, in turn, --repeat rounds (medians; each round's ratios compare neighbours):
   bare       ``vllm.LLM.generate`` on all prompts in one call, the engine settings the pipeline
              gives a CPU engine (benchmarks/throughput.py's ceiling), the prompts rendered by
-             the product's own PromptRenderer, so the token ids are the pipeline's;
+             the product's own PromptRenderer, so the token ids are the pipeline's: the
+             engine alone, the template and tokenizer run before its clock starts;
+  bare chat  ``vllm.LLM.chat`` on each row's messages, as the pipeline renders them: vLLM's
+             own chat path, which applies the chat template and tokenizes inside the call,
+             as overnight does inside its generation window (checked: the same token ids);
   overnight  ``overnight run``, Parquet to Parquet, through Ray Data.
 Reported: rows/s over the whole process and over the generation (bare: the ``generate`` call;
 overnight: the run report's generation window, first engine ready to last block generated),
@@ -61,10 +65,23 @@ def workload(work: Path, rows: int, row_group: int) -> tuple[Path, Path]:
     return tiny, source
 
 
-def run_bare(spec: Path) -> dict:
-    """throughput.py's ceiling, in a fresh process."""
+def conversations(config: dict) -> list[list[dict]]:
+    """Each row's chat messages, as the pipeline renders them (its system prompt, template)."""
+    import pyarrow.parquet as pq
+
+    from pipelines.config import load_config
+    from pipelines.preflight import plan_job
+    from udfs.prompts import PromptRenderer
+
+    renderer = PromptRenderer(plan_job(load_config(config)).render)
+    rows = pq.read_table(config["input"]["path"], columns=renderer.variables).to_pylist()
+    return [renderer.render_messages(row) for row in rows]
+
+
+def run_bare(spec: Path, mode: str = "ceiling") -> dict:
+    """throughput.py's ceiling (or its chat reference), in a fresh process."""
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "throughput.py"),
-                          "_reference", "ceiling", str(spec)],
+                          "_reference", mode, str(spec)],
                          capture_output=True, text=True, cwd=REPO)
     if out.returncode != 0:
         raise SystemExit(f"bare vLLM failed:\n{out.stderr[-2000:]}")
@@ -108,7 +125,8 @@ def main() -> None:
         prompts, caps = render(configs[k])
         specs[k] = work / f"spec-{k}.json"
         specs[k].write_text(json.dumps({"model": str(tiny), "dtype": "float32",
-                                        "prompts": prompts, "max_tokens": caps}))
+                                        "prompts": prompts, "max_tokens": caps,
+                                        "conversations": conversations(configs[k])}))
     prompt_tokens = sum(len(p) for p in prompts)
 
     rounds = []
@@ -120,6 +138,9 @@ def main() -> None:
                 print(f"round {i + 1}/{args.repeat}, max_tokens {k}: bare vLLM ...",
                       file=sys.stderr)
                 r["bare"] = run_bare(specs[k])
+                print(f"round {i + 1}/{args.repeat}, max_tokens {k}: bare vLLM, LLM.chat ...",
+                      file=sys.stderr)
+                r["bare chat"] = run_bare(specs[k], "chat")
             if args.only != "bare":
                 print(f"round {i + 1}/{args.repeat}, max_tokens {k}: overnight ...",
                       file=sys.stderr)
@@ -136,31 +157,39 @@ def report(args, rounds: list[dict], prompt_tokens: int) -> None:
     print(f"{'':28} {'generate s':>10} {'rows/s':>8} {'process s':>10} {'rows/s':>8}")
     summary = {}
     for k in map(str, args.max_tokens):
-        arms = [a for a in ("bare", "overnight") if a in rounds[0][k]]
+        arms = [a for a in ("bare", "bare chat", "overnight") if a in rounds[0][k]]
         for arm in arms:
             gen = median(r[k][arm]["generate_s"] for r in rounds)
             whole = median(r[k][arm]["process_start_to_done_s"] for r in rounds)
             print(f"{f'max_tokens {k}, {arm}':28} {gen:10.1f} {n / gen:8.0f} {whole:10.1f} "
                   f"{n / whole:8.0f}")
-        if len(arms) < 2:
+        if "overnight" not in arms or len(arms) < 2:
             continue
-        per_round = [{
-            "whole process": (r[k]["bare"]["process_start_to_done_s"]
-                              / r[k]["overnight"]["process_start_to_done_s"]),
-            "generation": r[k]["bare"]["generate_s"] / r[k]["overnight"]["generate_s"],
-        } for r in rounds]
-        ratios = {name: median(p[name] for p in per_round) for name in per_round[0]}
+        summary[k] = {}
+        for ref in arms[:-1]:  # each reference against overnight, round by round
+            per_round = [{
+                "whole process": (r[k][ref]["process_start_to_done_s"]
+                                  / r[k]["overnight"]["process_start_to_done_s"]),
+                "generation": r[k][ref]["generate_s"] / r[k]["overnight"]["generate_s"],
+            } for r in rounds]
+            ratios = {name: median(p[name] for p in per_round) for name in per_round[0]}
+            for name, value in ratios.items():
+                each = ", ".join(f"{p[name]:.2f}" for p in per_round)
+                print(f"  overnight/{ref} rows/s, {name}: {value:.2f} (rounds: {each})")
+            summary[k]["ratios" if ref == "bare" else "ratios_vs_chat"] = ratios
+            summary[k]["ratios_per_round" if ref == "bare" else "ratios_vs_chat_per_round"] = \
+                per_round
         identical = all(r[k]["overnight"]["identical_to_bare"] for r in rounds)
+        chat_same = all(r[k]["bare chat"]["texts"] == r[k]["bare"]["texts"]
+                        and r[k]["bare chat"]["same_prompt_ids"] for r in rounds) \
+            if "bare chat" in arms else None
         last = rounds[-1][k]["overnight"]
-        for name, value in ratios.items():
-            each = ", ".join(f"{p[name]:.2f}" for p in per_round)
-            print(f"  overnight/bare rows/s, {name}: {value:.2f} (rounds: {each})")
         print(f"  greedy outputs identical to bare vLLM's, row for row: {identical}; "
+              f"LLM.chat's prompt ids and outputs the same as well: {chat_same}; "
               f"output files {last['files']}; row errors {last['errors']}")
         print("  CPU s of the pipeline's processes (last round): " + ", ".join(
             f"{role} {s:.0f}" for role, s in list(last["cpu_s_by_process"].items())[:6]))
-        summary[k] = {"ratios": ratios, "ratios_per_round": per_round,
-                      "identical_to_bare": identical}
+        summary[k].update({"identical_to_bare": identical, "chat_same_as_bare": chat_same})
     for r in rounds:
         for k in r.values():
             for result in k.values():

@@ -89,7 +89,7 @@ def render(config: dict) -> tuple[list[list[int]], list[int]]:
 
 def reference(mode: str, spec_path: str) -> None:
     """Runs in a fresh process: bare vLLM, in one call (ceiling, in input order or longest
-    first) or in fixed batches (naive)."""
+    first), in fixed batches (naive), or ``LLM.chat`` on the spec's conversations (chat)."""
     started = time.time()
     spec = json.loads(Path(spec_path).read_text())
     llm = bare_llm(spec["model"], spec["dtype"], 1 << 30)
@@ -99,6 +99,17 @@ def reference(mode: str, spec_path: str) -> None:
     params = [vllm.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in spec["max_tokens"]]
     gen_start = time.time()
+    if mode == "chat":  # vLLM's own chat path: the template and the tokenizer in the call
+        outs = llm.chat(spec["conversations"], params, use_tqdm=False)
+        gen = time.time() - gen_start
+        print(json.dumps({
+            "texts": [o.outputs[0].text for o in outs],
+            "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "same_prompt_ids": all(o.prompt_token_ids == ids
+                                   for o, ids in zip(outs, spec["prompts"])),
+            "generate_s": gen, "process_start_to_done_s": time.time() - started,
+        }))
+        return
     if mode == "ceiling":
         outs = llm.generate(prompts, params, use_tqdm=False)
     elif mode == "ceiling_sorted":
