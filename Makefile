@@ -27,14 +27,21 @@ demo: setup models/smollm2/config.json
 	$(BIN)/overnight run configs/demo.yaml --overwrite
 	$(BIN)/python -c "import polars as pl; pl.Config.set_fmt_str_lengths(90); print(pl.read_parquet('out/demo').select('sku', 'title', 'rewritten', 'finish_reason', 'error'))"
 
+# Two test files at a time, each in a pytest worker of its own (session fixtures, its own Ray):
+# most tests wait on start-up (imports, process spawns, Ray, an engine loading), which keeps one
+# core of two busy at a time. More workers need more memory: each runs Ray and engines. Tests
+# marked serial time the machine itself, and run alone afterwards.
 # The pooling tests build and drop in-process vLLM pooling engines, which tears down vLLM's
 # process-wide parallel state under the session's shared engine (and vLLM's kernel scan trips
-# over Flask's proxies, which the object-store tests import): each runs in a pytest of its own.
+# over Flask's proxies, which the object-store tests import): each file runs in a worker
+# process of its own, the two at once (--dist loadfile gives two files two workers).
 POOLING_TESTS := tests/test_http_pooling.py tests/test_pooling.py
+TEST_WORKERS ?= 2
 test: setup models/smollm2/config.json
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(POOLING_TESTS))
-	$(BIN)/python -m pytest -q tests/test_http_pooling.py
-	$(BIN)/python -m pytest -q tests/test_pooling.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
+	  $(addprefix --ignore=,$(POOLING_TESTS))
+	$(BIN)/python -m pytest -q -m serial $(addprefix --ignore=,$(POOLING_TESTS))
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(POOLING_TESTS)
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from pipelines.progress import Progress
 
 
@@ -50,6 +52,7 @@ def test_terminal_redraws_one_line():
     assert "\r\x1b[2Krows 10/10 (100%)" in text and text.endswith("\n")
 
 
+@pytest.mark.serial  # an ETA holds only while the machine keeps its pace
 def test_a_real_jobs_live_progress_has_an_eta_within_2x_after_the_first_fifth(
         tiny_model, ray_cluster, tmp_path):
     """A real job in a log (not a TTY): lines come from the replicas' live counts while

@@ -73,7 +73,8 @@ def run(root: Path, raw: dict, fault: str | None = None, kill_after_parts: int |
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         if kill_after_parts is not None:
-            _kill_predictor_after(Path(raw["output"]["path"] + ".partial"), kill_after_parts)
+            _kill_predictor_after(Path(raw["output"]["path"] + ".partial"), kill_after_parts,
+                                  session=proc.pid)
         out, err = proc.communicate(timeout=420)
     finally:
         if proc.poll() is None:
@@ -82,24 +83,27 @@ def run(root: Path, raw: dict, fault: str | None = None, kill_after_parts: int |
         time.time() - started
 
 
-def _kill_predictor_after(staging: Path, parts: int) -> None:
+def _kill_predictor_after(staging: Path, parts: int, session: int) -> None:
     """kill -9 the engine's actor process once ``parts`` parts are committed."""
     deadline = time.time() + 300
     while time.time() < deadline:
         if staging.exists() and len(list(staging.glob("part-*.parquet"))) >= parts:
-            for pid in _predictor_pids():
+            for pid in _predictor_pids(session):
                 os.kill(pid, signal.SIGKILL)
             return
         time.sleep(0.05)
     raise AssertionError("the job never committed enough parts to be killed mid-run")
 
 
-def _predictor_pids() -> list[int]:
+def _predictor_pids(session: int) -> list[int]:
+    """The engine actors of the job whose driver leads ``session`` (Ray's processes stay in
+    their driver's session), not those of jobs other tests run at the same time."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if b"MapBatches(Predictor)" in (entry / "cmdline").read_bytes():
+                if b"MapBatches(Predictor)" in (entry / "cmdline").read_bytes() \
+                        and os.getsid(int(entry.name)) == session:
                     found.append(int(entry.name))
             except OSError:
                 continue
