@@ -88,8 +88,9 @@ def main() -> None:
         return
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     for arm in ("engine", "ray-actor"):
-        out = subprocess.run([sys.executable, __file__, args.spec, "--threads",
-                              str(args.threads), arm], capture_output=True, text=True,
+        # the arm right after the spec: argparse takes both positionals in one run
+        out = subprocess.run([sys.executable, __file__, args.spec, arm, "--threads",
+                              str(args.threads)], capture_output=True, text=True,
                              env=env, cwd=REPO)
         line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
         print(line)
