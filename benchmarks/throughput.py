@@ -101,16 +101,7 @@ def reference(mode: str, spec_path: str) -> None:
     gen_start = time.time()
     if mode == "chat":  # vLLM's own chat path: the template and the tokenizer in the call
         outs = llm.chat(spec["conversations"], params, use_tqdm=False)
-        gen = time.time() - gen_start
-        print(json.dumps({
-            "texts": [o.outputs[0].text for o in outs],
-            "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "same_prompt_ids": all(o.prompt_token_ids == ids
-                                   for o, ids in zip(outs, spec["prompts"])),
-            "generate_s": gen, "process_start_to_done_s": time.time() - started,
-        }))
-        return
-    if mode == "ceiling":
+    elif mode == "ceiling":
         outs = llm.generate(prompts, params, use_tqdm=False)
     elif mode == "ceiling_sorted":
         order = sorted(range(len(prompts)), key=lambda i: -spec["max_tokens"][i])
@@ -127,6 +118,8 @@ def reference(mode: str, spec_path: str) -> None:
     print(json.dumps({
         "texts": [o.outputs[0].text for o in outs],
         "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "same_prompt_ids": all(o.prompt_token_ids == ids
+                               for o, ids in zip(outs, spec["prompts"])),
         "generate_s": gen, "process_start_to_done_s": time.time() - started,
     }))
 
