@@ -18,8 +18,8 @@ import pyarrow as pa
 
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
-from pipelines.read import (InputPlan, earlier_job, glob_regex, read_unit, read_units,
-                            renamed, resolve_files, scan_input)
+from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, read_unit,
+                            read_units, renamed, resolve_files, scan_input)
 from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
 from udfs.engine import EngineSpec
@@ -87,6 +87,8 @@ def plan_job(config: JobConfig) -> JobPlan:
         plan.schema = _name_apart(plan.schema, earlier, config)
     check_output_apart(config.input.path, plan, output)
     _check_columns(config, plan, variables)
+    if config.steps is None and config.prompt.template is not None:
+        _check_template_renders(config, plan, variables)
     max_model_len = _resolve_model(config)
     if pooling is not None:
         from pipelines.pooling import max_seq_length
@@ -293,6 +295,44 @@ def _compile(template: str, key: str = "prompt.template"):
     except TemplateError as exc:
         line = f" (template line {exc.lineno})" if exc.lineno else ""
         raise ConfigError(f"{key} does not parse{line}: {exc}") from None
+
+
+# A template that fails on this many rows in a row, and on none it was tried on, stops the job
+TEMPLATE_TRIALS = 20
+
+
+def _check_template_renders(config: JobConfig, plan: InputPlan, variables: list[str]) -> None:
+    """A template that fails on every row (an attribute the sandbox forbids, arithmetic on a
+    text column) is the job's mistake, not the rows': say so now, in one line, rather than
+    start an engine and write a row error for each row of the table. Tried on the first
+    block's rows, up to TEMPLATE_TRIALS of them, skipping rows with a null where
+    ``prompt.on_null`` makes that the row's own error. One row that renders, or fewer than 3
+    tried, and the job goes on (a row that fails is kept with its error)."""
+    if not plan.blocks:
+        return
+    prompt = config.prompt
+    template, _ = compile_template(prompt.template)
+    table = read_block(plan.blocks[0], plan.schema)
+    key = config.input.id_column if config.input.id_column in table.column_names \
+        else columns.ORDINAL
+    keys = table.column(key).to_pylist()
+    tried, first = 0, None
+    for i, row in enumerate(table.select(variables).to_pylist()):
+        if any(value is None for value in row.values()):
+            if prompt.on_null == "error":
+                continue
+            row = {k: "" if v is None else v for k, v in row.items()}
+        try:
+            template.render(**row)
+            return
+        except Exception as exc:  # noqa: BLE001 - what the row would get as its error
+            tried += 1
+            first = first or (keys[i], " ".join(str(exc).split())[:200])
+        if tried >= TEMPLATE_TRIALS:
+            break
+    if tried >= 3:
+        raise ConfigError(f"prompt.template fails on each of the {tried} rows tried (the "
+                          f"first block's), e.g. row {first[0]!r}: {first[1]}")
 
 
 def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> None:

@@ -101,8 +101,9 @@ def validate_job(config: JobConfig) -> ValidationReport:
             elif reason == columns.FinishReason.SKIPPED:
                 report.skipped += 1
         if len(report.samples) < EXAMPLES:
-            rows = table.select(renderer.variables).to_pylist()
+            # rows that rendered: a row with an error shows above, among "will fail"
+            ok = table.column(columns.PROMPT_TOKENS).is_valid()
+            rows = table.filter(ok).select(renderer.variables).to_pylist()
             for row in rows[: EXAMPLES - len(report.samples)]:
-                if None not in row.values():
-                    report.samples.append(renderer.render_text(row))
+                report.samples.append(renderer.render_text(renderer.fill_nulls(row)))
     return report

@@ -62,6 +62,26 @@ def test_template_that_does_not_parse(job_file):
                           "prompt.template does not parse (template line 2)")
 
 
+def test_a_template_that_fails_on_every_row_stops_before_an_engine_starts(job_file):
+    # the sandbox refuses the attribute on every row: the job's mistake, not the rows'
+    path = job_file(prompt={"template": "{{ title.__class__ }}"})
+    assert_one_line_error(overnight("run", path),
+                          "prompt.template fails on each of the 6 rows tried",
+                          "row 'S0': access to attribute '__class__'")
+
+
+def test_validate_shows_what_fails_and_prompts_of_rows_that_render(job_file, tmp_path):
+    # the first row's template fails (and the last row's is null): the rest still render
+    rows = [{"sku": "A", "title": "x", "n": 0}, {"sku": "B", "title": "y", "n": 4},
+            {"sku": "C", "title": "z", "n": None}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = overnight("validate", job_file(prompt={"template": "{{ title }} {{ 8 / n }}"}))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "row 'A': template failed on this row: division by zero" in result.stdout
+    assert "row 'C': column 'n' is null" in result.stdout
+    assert "y 2.0" in result.stdout.split("--- prompt 1 ---")[1]
+
+
 def test_duplicate_ids_are_named(job_file, tmp_path):
     (tmp_path / "in.jsonl").write_text('{"sku": "A", "title": "x", "description": "y"}\n' * 3)
     assert_one_line_error(overnight("validate", job_file()),

@@ -101,7 +101,7 @@ class PairRenderer(PromptRenderer):
             if self.spec.on_null == "error":
                 return (None, None, None, ErrorKind.NULL_FIELD,
                         f"column {nulls[0]!r} is null in this row")
-            row = self._fill(row)
+            row = self.fill_nulls(row)
         try:
             query, document = self.template.render(**row), self.pair.render(**row)
             encoding = self.tokenizer(text=query, text_pair=document)

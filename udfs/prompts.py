@@ -113,7 +113,7 @@ class PromptRenderer:
         token_ids, lengths, reasons, kinds, errors = (list(c) for c in zip(*rendered)) \
             if rendered else ([], [], [], [], [])
         if self.spec.keep_messages:
-            messages = [json.dumps(self.render_messages(self._fill(row)))
+            messages = [json.dumps(self.render_messages(self.fill_nulls(row)))
                         if ids is not None else None for row, ids in zip(rows, token_ids)]
             batch = batch.append_column(columns.PROMPT_MESSAGES, pa.array(messages, pa.string()))
         return (batch
@@ -155,7 +155,7 @@ class PromptRenderer:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)
 
-    def _fill(self, row: dict) -> dict:
+    def fill_nulls(self, row: dict) -> dict:
         """on_null: empty -> nulls as empty strings (render_row has refused them otherwise)."""
         return {k: ("" if v is None else v) for k, v in row.items()}
 
@@ -220,7 +220,7 @@ class PromptRenderer:
             if self.spec.on_null == "error":
                 return (None, None, None, ErrorKind.NULL_FIELD,
                         f"column {nulls[0]!r} is null in this row")
-            row = self._fill(row)
+            row = self.fill_nulls(row)
         try:
             raw, messages = self.prompt(row)
             return [self._text(raw, messages), raw is None]
