@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,47 @@ def test_malformed_jsonl_names_file_and_line(job_file, tmp_path):
 def test_missing_model(job_file, tmp_path):
     path = job_file(model={"name": str(tmp_path / "no-model")})
     assert_one_line_error(overnight("validate", path), "model.name", "cannot load")
+
+
+def test_run_checks_a_local_model_without_importing_torch(job_file):
+    # pre-flight reads a local model's tokenizer and context length from its files (the
+    # tokenizers library alone): transformers' AutoTokenizer would import torch in the driver
+    path = job_file(model={"max_model_len": None})
+    probe = ("import sys; from pipelines.config import load_config; "
+             "from pipelines.preflight import plan_job; "
+             f"plan = plan_job(load_config({str(path)!r})); "
+             "print(plan.render.max_model_len, 'torch' in sys.modules, "
+             "'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["2048", "False", "False"]
+
+
+def test_a_local_models_length_is_what_transformers_reads(tiny_model):
+    from pipelines.preflight import _local_model, resolve_max_model_len
+
+    models = [tiny_model] + [str(m) for m in [REPO / "models" / "smollm2"]
+                             if (m / "config.json").is_file()]
+    for name in models:
+        assert _local_model(name).max_position_embeddings == resolve_max_model_len(name)
+
+
+def test_a_broken_local_tokenizer_is_named(job_file, tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "tokenizer.json").write_text('{"model": ')
+    path = job_file(model={"name": str(model)})
+    assert_one_line_error(overnight("run", path), "model.name", "cannot load its tokenizer")
+
+
+def test_messages_need_a_chat_template(job_file, tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").unlink()
+    path = job_file(model={"name": str(model)},
+                    prompt={"template": None, "messages_column": "title"})
+    assert_one_line_error(overnight("run", path), "prompt.messages_column needs a chat model")
 
 
 def test_existing_output_is_not_overwritten(job_file, tmp_path):
