@@ -27,7 +27,8 @@ from udfs.logprobs import SERVER_TOP_K_MAX, confidence_top_k
 from udfs.parsers import SchemaError, StructuredSpec
 from udfs.predictor import SamplingSpec
 from udfs.pooler import PoolingSpec
-from udfs.prompts import RenderSpec, TemplateError, compile_template, load_tokenizer
+from udfs.prompts import (RenderSpec, TemplateError, compile_template, load_tokenizer,
+                          render_template)
 
 
 @dataclass
@@ -323,7 +324,7 @@ def _check_template_renders(config: JobConfig, plan: InputPlan, variables: list[
                 continue
             row = {k: "" if v is None else v for k, v in row.items()}
         try:
-            template.render(**row)
+            render_template(template, row)
             return
         except Exception as exc:  # noqa: BLE001 - what the row would get as its error
             tried += 1

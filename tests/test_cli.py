@@ -83,6 +83,18 @@ def test_validate_shows_what_fails_and_prompts_of_rows_that_render(job_file, tmp
     assert "y 2.0" in result.stdout.split("--- prompt 1 ---")[1]
 
 
+def test_a_column_named_with_a_space_is_reached_through_row(job_file, tmp_path):
+    rows = [{"sku": "A", "Product Name": "Desk lamp"}, {"sku": "B", "Product Name": "Mug"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = job_file(prompt={"template": 'Name: {{ row["Product Name"] }}'})
+    result = overnight("validate", path)
+    assert result.returncode == 0, result.stderr
+    assert "Name: Desk lamp" in result.stdout.split("--- prompt 1 ---")[1]
+    assert_one_line_error(
+        overnight("validate", job_file(prompt={"template": '{{ row["Product name"] }}'})),
+        "prompt.template uses column 'Product name'", "its columns are: sku, Product Name")
+
+
 def test_duplicate_ids_are_named(job_file, tmp_path):
     (tmp_path / "in.jsonl").write_text('{"sku": "A", "title": "x", "description": "y"}\n' * 3)
     assert_one_line_error(overnight("validate", job_file()),

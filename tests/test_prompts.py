@@ -54,3 +54,35 @@ def test_a_block_tokenized_in_one_call_equals_each_row_rendered_alone(tiny_model
         assert out.column(columns.ERROR).to_pylist() == [a[4] for a in alone]
         plain = alone[0][0]  # and the ids are the tokenizer's own, row by row
         assert plain == renderer.tokenize(renderer.render_text(rows[0]), chat=chat)
+
+
+def test_columns_whose_names_are_not_jinja_names_are_reached_through_row(tiny_model):
+    """A column named "Product Name" (or "2nd-title") cannot be {{ Product Name }}; it is
+    row["Product Name"], checked, null-checked and rendered like any other column."""
+    renderer = PromptRenderer(RenderSpec(
+        template='{{ row["Product Name"] }} | {{ row["2nd-title"] }} | {{ row.price }} | '
+                 '{{ price }}', tokenizer=tiny_model, max_model_len=512, max_tokens=8,
+        chat=False))
+    assert renderer.variables == ["2nd-title", "Product Name", "price"]
+    table = pa.table({"Product Name": ["Lamp", "Desk"], "2nd-title": ["warm", None],
+                      "price": [3, 4], "unused": [None, None]})
+    out = renderer(table)
+    assert renderer.render_text(table.to_pylist()[0]) == "Lamp | warm | 3 | 3"
+    assert out.column(columns.ERROR).to_pylist() == [
+        None, "column '2nd-title' is null in this row"]
+
+
+def test_row_is_only_ever_a_columns_name_away():
+    from udfs.prompts import TemplateError, compile_template
+
+    for source, needle in [("{{ row }}", "row is the whole row"),
+                           ("{{ row | length }}", "row is the whole row"),
+                           ("{{ row[name] }}", "in quotes")]:
+        try:
+            compile_template(source)
+        except TemplateError as exc:
+            assert needle in str(exc)
+        else:
+            raise AssertionError(f"{source} compiled")
+    # a loop variable named row is the template's own, not the row
+    assert compile_template("{% for row in rows %}{{ row }}{% endfor %}")[1] == ["rows"]

@@ -30,7 +30,7 @@ from udfs import columns
 from udfs.columns import ErrorKind, FinishReason
 from udfs.engine import EngineSpec, PoolingRequest, build_engine
 from udfs.predictor import release_free_memory, replica_label
-from udfs.prompts import PromptRenderer, RenderSpec, compile_template
+from udfs.prompts import PromptRenderer, RenderSpec, compile_template, render_template
 from udfs.recovery import Recovery
 
 TASKS = ("embed", "score", "classify")
@@ -103,7 +103,8 @@ class PairRenderer(PromptRenderer):
                         f"column {nulls[0]!r} is null in this row")
             row = self.fill_nulls(row)
         try:
-            query, document = self.template.render(**row), self.pair.render(**row)
+            query, document = (render_template(self.template, row),
+                               render_template(self.pair, row))
             encoding = self.tokenizer(text=query, text_pair=document)
         except Exception as exc:  # a template error on this row's values: the row's problem
             return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"

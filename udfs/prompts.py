@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 import pyarrow as pa
-from jinja2 import StrictUndefined, TemplateSyntaxError, meta
+from jinja2 import StrictUndefined, TemplateSyntaxError, meta, nodes
 from jinja2.sandbox import SandboxedEnvironment
 
 from udfs import columns
@@ -27,15 +27,52 @@ class TemplateError(ValueError):
         self.lineno = lineno
 
 
+# A template's name for the whole row: row["Product Name"] reaches a column whose name is no
+# Jinja name (a space, a dash, a leading digit); row.title is {{ title }}
+ROW = "row"
+
+
 def compile_template(source: str):
     """Compile a template in the sandbox; returns (template, the column names it uses)."""
     env = SandboxedEnvironment(undefined=StrictUndefined, autoescape=False,
                                keep_trailing_newline=True)
     try:
-        variables = meta.find_undeclared_variables(env.parse(source))
-        return env.from_string(source), sorted(variables)
+        ast = env.parse(source)
+        template = env.from_string(source)
     except TemplateSyntaxError as exc:
         raise TemplateError(exc.message or str(exc), exc.lineno) from None
+    variables = meta.find_undeclared_variables(ast)
+    if ROW in variables:
+        variables = (variables - {ROW}) | _row_columns(ast)
+    return template, sorted(variables)
+
+
+def _row_columns(ast) -> set[str]:
+    """The columns a template reaches through ``row``: each use names its column, so that
+    pre-flight checks them and a row's nulls are found as for any other column."""
+    names, reached = set(), set()
+    for node in ast.find_all((nodes.Getitem, nodes.Getattr)):
+        if not (isinstance(node.node, nodes.Name) and node.node.name == ROW):
+            continue
+        if isinstance(node, nodes.Getattr):
+            names.add(node.attr)
+        elif isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
+            names.add(node.arg.value)
+        else:
+            raise TemplateError('row[...] takes a column\'s name in quotes, e.g. '
+                                'row["Product Name"]', node.lineno)
+        reached.add(id(node.node))
+    for name in ast.find_all(nodes.Name):
+        if name.name == ROW and name.ctx == "load" and id(name) not in reached:
+            raise TemplateError('row is the whole row: write row["column name"] (a column '
+                                'named row is row["row"])', name.lineno)
+    return names
+
+
+def render_template(template, row: dict) -> str:
+    """``template`` on one row's values: each column by its name, and all of them as
+    ``row``."""
+    return template.render({**row, ROW: row})
 
 
 @dataclass(frozen=True)
@@ -132,7 +169,7 @@ class PromptRenderer:
                 return value, None
             messages = _messages(value)
         else:
-            user = self.template.render(**row)
+            user = render_template(self.template, row)
             if not self.use_chat:
                 return user, None
             messages = [{"role": "user", "content": user}]
