@@ -115,10 +115,21 @@ class Location:
         """Each file directly inside this directory: its size in bytes, from one listing
         (an object store answers it in one call, not one per file)."""
         if self.local:
-            if not os.path.isdir(self.path):
+            # a snapshot of a directory others write to: a writer renames its .tmp file to
+            # the part's name, or compaction removes a part, between the listing and the
+            # stat; what is gone by then is left out, as a listing a moment later would
+            sizes = {}
+            try:
+                with os.scandir(self.path) as entries:
+                    for entry in entries:
+                        try:
+                            if entry.is_file():
+                                sizes[entry.name] = entry.stat().st_size
+                        except FileNotFoundError:
+                            continue
+            except FileNotFoundError:  # the directory itself (committed: renamed away)
                 return {}
-            with os.scandir(self.path) as entries:
-                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+            return sizes
         found = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return {i.base_name: i.size for i in found if i.type == pafs.FileType.File}
 

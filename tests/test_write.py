@@ -143,3 +143,35 @@ def test_the_output_reads_in_input_order_with_polars_pyarrow_and_duckdb(tmp_path
     assert ds.dataset(tmp_path).to_table(columns=["row_id"])["row_id"].to_pylist() == expected
     got = duckdb.sql(f"select row_id from read_parquet('{tmp_path}/*.parquet')").fetchall()
     assert [r[0] for r in got] == expected
+
+
+def test_a_listing_leaves_out_a_file_renamed_while_it_is_taken(tmp_path, monkeypatch):
+    # overnight serve counts a running job's parts while its writers rename .tmp files into
+    # parts: a file gone between the listing and its stat is left out, not an error (it failed
+    # a batch in a kill-and-restart test)
+    import os
+
+    (tmp_path / "part-1.parquet").write_bytes(b"12345")
+    (tmp_path / ".part-2.parquet.tmp").write_bytes(b"x")
+    real = os.scandir
+
+    class Vanishing:
+        def __init__(self, entries):
+            self.entries = entries
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.entries.close()
+
+        def __iter__(self):
+            for entry in self.entries:
+                if entry.name.endswith(".tmp"):
+                    os.rename(entry.path, tmp_path / "part-2.parquet")  # committed meanwhile
+                yield entry
+
+    monkeypatch.setattr(os, "scandir", lambda path: Vanishing(real(path)))
+    assert Location.of(str(tmp_path)).sizes()["part-1.parquet"] == 5
+    assert ".part-2.parquet.tmp" not in Location.of(str(tmp_path)).sizes()
+    assert Location.of(str(tmp_path / "gone")).sizes() == {}
