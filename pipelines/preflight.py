@@ -27,8 +27,8 @@ from udfs.logprobs import SERVER_TOP_K_MAX, confidence_top_k
 from udfs.parsers import SchemaError, StructuredSpec
 from udfs.predictor import SamplingSpec
 from udfs.pooler import PoolingSpec
-from udfs.prompts import (RenderSpec, TemplateError, compile_template, load_tokenizer,
-                          render_template)
+from udfs.prompts import (PromptRenderer, RenderSpec, TemplateError, compile_template,
+                          load_tokenizer, render_template)
 
 
 @dataclass
@@ -298,7 +298,7 @@ def _compile(template: str, key: str = "prompt.template"):
         raise ConfigError(f"{key} does not parse{line}: {exc}") from None
 
 
-# A template that fails on this many rows in a row, and on none it was tried on, stops the job
+# The most rows of the first block a template is tried on before a job starts
 TEMPLATE_TRIALS = 20
 
 
@@ -322,7 +322,7 @@ def _check_template_renders(config: JobConfig, plan: InputPlan, variables: list[
         if any(value is None for value in row.values()):
             if prompt.on_null == "error":
                 continue
-            row = {k: "" if v is None else v for k, v in row.items()}
+            row = PromptRenderer.fill_nulls(row)
         try:
             render_template(template, row)
             return

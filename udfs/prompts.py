@@ -192,7 +192,8 @@ class PromptRenderer:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)
 
-    def fill_nulls(self, row: dict) -> dict:
+    @staticmethod
+    def fill_nulls(row: dict) -> dict:
         """on_null: empty -> nulls as empty strings (render_row has refused them otherwise)."""
         return {k: ("" if v is None else v) for k, v in row.items()}
 
