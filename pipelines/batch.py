@@ -45,7 +45,9 @@ URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # penalties and vLLM's extensions (udfs/predictor.RowOverrides carries them to the engine).
 EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "ignore_eos", "top_k",
                   "min_tokens", "repetition_penalty", "stop_token_ids")
-CHUNK = 10_000  # requests per row group of the prepared table: memory stays flat
+# requests per row group of the prepared table, and their bytes at most (an embeddings line
+# may hold 2,048 inputs): memory stays flat, here and where the table is read
+CHUNK, CHUNK_BYTES = 10_000, 64 << 20
 
 # Columns of the prepared table of requests.
 CUSTOM_ID, LINE, KIND, PROMPT, MAX_TOKENS, OVERRIDES, MODEL = (
@@ -269,7 +271,7 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
     table, errors = work / "requests.parquet", work / "rejected.jsonl"
     seen: set[str] = set()
     rows: list[dict] = []
-    count = rejected = top = 0
+    count = rejected = top = size = 0  # size: the bytes of the lines in ``rows``
     family = None  # embeddings, or chat/completions: the first runnable line's
     tmp_table = work / ".requests.parquet.tmp"
     with pq.ParquetWriter(tmp_table, SCHEMA) as writer, \
@@ -305,9 +307,10 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
                 rows.append({**row, LINE: number})
                 top = max(top, row[MAX_TOKENS])
                 count += 1
-                if len(rows) >= CHUNK:
+                size += len(raw)
+                if len(rows) >= CHUNK or size >= CHUNK_BYTES:
                     writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
-                    rows = []
+                    rows, size = [], 0
         if rows:
             writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
     os.replace(tmp_table, table)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +31,9 @@ URL = "/v1/embeddings"
 KIND = "embeddings"
 INDEX, TEXT = "input_index", "text"  # columns of the exploded table, beside the prepared ones
 COLUMN = "embedding"
+PROMPT = "prompt"  # the prepared table's column of a line's inputs (a JSON list)
+EXPLODE_ROWS = 256  # prepared lines exploded at a time
+STAMP = b"overnight.prepared"  # the exploded table's metadata: its prepared table's stamp
 
 
 class EmbeddingsBody(BaseModel):
@@ -64,20 +68,56 @@ def parse_body(body: dict, reject) -> dict:
     options: dict[str, Any] = {"encoding_format": parsed.encoding_format}
     if parsed.dimensions is not None:
         options["dimensions"] = parsed.dimensions
-    return {"prompt": json.dumps(inputs, ensure_ascii=False), "overrides": json.dumps(options),
+    return {PROMPT: json.dumps(inputs, ensure_ascii=False), "overrides": json.dumps(options),
             "model": parsed.model}
 
 
 def explode(prepared_table: Path, out: Path) -> Path:
-    """One row per input: the prepared table's rows, each with its input's text and index."""
-    table = pq.read_table(prepared_table)
-    rows = []
-    for row in table.to_pylist():
-        for index, text in enumerate(json.loads(row["prompt"])):
-            rows.append({**row, INDEX: index, TEXT: text})
-    schema = table.schema.append(pa.field(INDEX, pa.int64())).append(pa.field(TEXT, pa.string()))
-    pq.write_table(pa.Table.from_pylist(rows, schema), out)
+    """One row per input: the prepared table's rows, each with its input's text and index,
+    but without the line's inputs as JSON (the ``prompt`` column): each row carrying its
+    line's every input made a line of 2,048 inputs 2,048 times its size, a table quadratic
+    in a line's inputs. Streamed, ``EXPLODE_ROWS`` lines at a time (pipelines/batch.py
+    writes the prepared table in row groups of bounded size), so memory stays flat.
+
+    An exploded table of this prepared table is reused, not written again: it is the job's
+    input, whose mtime is in the job's fingerprint, and a rewrite made an interrupted batch
+    "a different job" that would not resume."""
+    stamp = _stamp(prepared_table)
+    if _stamp_of(out) == stamp:
+        return out
+    tmp = out.with_name(f".{out.name}.tmp")
+    with pq.ParquetFile(prepared_table) as source:
+        kept = [field for field in source.schema_arrow if field.name != PROMPT]
+        schema = pa.schema([*kept, pa.field(INDEX, pa.int64()), pa.field(TEXT, pa.string())],
+                           metadata={STAMP: stamp})
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for batch in source.iter_batches(batch_size=EXPLODE_ROWS):
+                writer.write_table(_explode_batch(batch, schema))
+    os.replace(tmp, out)
     return out
+
+
+def _explode_batch(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
+    """A batch of prepared lines -> one row per input (its line's other columns repeated)."""
+    inputs = [json.loads(text) for text in batch.column(PROMPT).to_pylist()]
+    lines = pa.array([line for line, texts in enumerate(inputs) for _ in texts], pa.int64())
+    other = pa.Table.from_batches([batch]).drop_columns([PROMPT]).take(lines)
+    index = pa.array([i for texts in inputs for i in range(len(texts))], pa.int64())
+    text = pa.array([t for texts in inputs for t in texts], pa.string())
+    return other.append_column(schema.field(INDEX), index) \
+        .append_column(schema.field(TEXT), text).replace_schema_metadata(schema.metadata)
+
+
+def _stamp(path: Path) -> bytes:
+    stat = path.stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}".encode()
+
+
+def _stamp_of(exploded: Path) -> bytes | None:
+    try:
+        return (pq.read_schema(exploded).metadata or {}).get(STAMP)
+    except (OSError, pa.ArrowInvalid):  # none yet, or not whole: write it
+        return None
 
 
 def job_raw(table: Path, output: Path, model: str, base: dict) -> dict:

@@ -12,9 +12,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
-from pipelines.batch import run_batch_file
+from pipelines import batch_embeddings
+from pipelines.batch import prepare, run_batch_file
 
 from conftest import KV_CACHE
 
@@ -112,3 +114,35 @@ def test_results_equal_vllms_own_run_batch(embeddings_batch, tiny_model):
             assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) >= 0.9999
         assert r["response"]["body"]["usage"]["prompt_tokens"] == \
             theirs[r["custom_id"]]["usage"]["prompt_tokens"]
+
+
+def _exploded(work, line) -> tuple:
+    work.mkdir()
+    (work / "requests.jsonl").write_text(json.dumps(line) + "\n")
+    prepared = prepare(work / "requests.jsonl", work, 16, 512)
+    return prepared, batch_embeddings.explode(prepared.table, work / "inputs.parquet")
+
+
+def test_a_line_of_2048_inputs_explodes_into_a_table_linear_in_its_inputs(tmp_path):
+    """OpenAI allows 2,048 inputs in a line: its job table is 2,048 times a 1-input line's,
+    not 2,048 rows each carrying every input (a 0.57 MB line took 2 GB)."""
+    text = "a red steel lamp with a brass foot and a linen shade"
+    _, one = _exploded(tmp_path / "one", _line("x", {"input": [text]}))
+    _, many = _exploded(tmp_path / "many", _line("x", {"input": [text] * 2048}))
+    table = pq.read_table(many)
+    assert table.num_rows == 2048 and table["input_index"].to_pylist() == list(range(2048))
+    assert table.nbytes <= 1.5 * 2048 * pq.read_table(one).nbytes, table.nbytes
+
+
+def test_the_exploded_table_is_reused_while_its_prepared_table_is_the_same(tmp_path):
+    """The exploded table is the job's input, whose mtime is in the job's fingerprint: the
+    same file again (an interrupted batch run again) must not rewrite it, or the job would
+    not resume; a file prepared again (another request file) is exploded again."""
+    prepared, out = _exploded(tmp_path / "w", _line("x", {"input": ["one", "two"]}))
+    stamp = out.stat().st_mtime_ns
+    assert batch_embeddings.explode(prepared.table, out).stat().st_mtime_ns == stamp
+    (tmp_path / "w" / "requests.jsonl").write_text(
+        json.dumps(_line("y", {"input": ["three"]})) + "\n")
+    prepared = prepare(tmp_path / "w" / "requests.jsonl", tmp_path / "w", 16, 512)
+    assert pq.read_table(batch_embeddings.explode(prepared.table, out))["text"].to_pylist() \
+        == ["three"]
