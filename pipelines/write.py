@@ -4,7 +4,16 @@ While a job runs, its parts go to a staging directory beside the output, ``OUTPU
 each written to a temporary name and renamed into place, so a part is either whole or absent.
 A part holds a run of consecutive input rows and is named by their ordinals, ``[start, end)``:
 ``part-000000000256-000000000512.parquet``. The names alone say which rows are done, and sort
-in input order. The writers are a pool, stateless: each writes what it is handed at once, one
+in input order.
+
+The invariant everything here rests on (resume's coverage arithmetic, the retry merge,
+compaction): **a part holds whole input rows, all of each row's samples, and no two parts
+overlap** but where one holds the other whole (a compaction not yet finished). Ray Data may
+cut a block anywhere between the engine's stage and the writer's, between two samples of one
+row too: the writer keeps a row's samples that came without the rest aside, as a hidden
+``.samples-ORDINAL-FIRST.parquet``, and the writer that completes the row writes its part
+(``PartWriter``). A listing that finds two parts overlapping in part refuses them
+(``list_parts``): that is a defect, and "superseded" would drop rows. The writers are a pool, stateless: each writes what it is handed at once, one
 part per run of consecutive rows of one block, so no actor holds rows back and none is a
 funnel every row passes through.
 
@@ -51,6 +60,10 @@ _PART = re.compile(r"part-(\d{12})(?:-(\d{12}))?\.parquet")
 # --retry-errors: a block's committed rows, staged while its failed rows run again (hidden:
 # never listed as a part; the commit clears it)
 _RETRY_OLD = ".retry-{:012d}.parquet"
+# Some of an input row's samples, kept aside until the rest arrive (PartWriter): the row's
+# ordinal and its first sample index here (hidden: never listed as a part; the commit clears
+# what a killed run left, and the row runs again)
+_SAMPLES_PIECE = ".samples-{:012d}-{}"
 
 
 def part_name(start: int, end: int | None = None) -> str:
@@ -89,7 +102,8 @@ class Part:
 def list_parts(folder: Location) -> tuple[list[Part], list[Part]]:
     """The parts of a folder in input order, and those superseded: a part inside the range of
     a larger one (a compaction interrupted before it removed its sources; a part written
-    again after a retried task). Each input row is in exactly one of the parts returned."""
+    again after a retried task). Each input row is in exactly one of the parts returned.
+    Two parts that overlap in part break the module's invariant: OutputError, naming them."""
     found = []
     for name, size in folder.sizes().items():
         where = part_range(name)
@@ -98,11 +112,17 @@ def list_parts(folder: Location) -> tuple[list[Part], list[Part]]:
     found.sort(key=lambda p: (p.start, -(p.end if p.end is not None else p.start + 1)))
     kept, superseded, reach = [], [], -1
     for part in found:
+        end = part.end if part.end is not None else part.start + 1
         if part.start < reach:
+            if end > reach:  # starts inside the last part kept and runs past it
+                raise OutputError(
+                    f"{folder}: parts {kept[-1].name} and {part.name} overlap (rows "
+                    f"{part.start}-{reach - 1} are in both): the folder is not a consistent "
+                    "output; remove the later part to run those rows again")
             superseded.append(part)
             continue
         kept.append(part)
-        reach = part.end if part.end is not None else part.start + 1
+        reach = end
     return kept, superseded
 
 
@@ -219,17 +239,72 @@ class PartWriter(_Writer):
         # a job with steps: the batch's per-step counts, kept with its first part
         steps = (json.loads(batch.column(columns.STEP_COUNTS)[0].as_py())
                  if columns.STEP_COUNTS in batch.column_names and batch.num_rows else None)
+        batch, pieces = _whole_rows(batch)
         for rows in _runs(batch.column(columns.ORDINAL), self.layout.block_starts):
-            block = batch.take(rows)
-            first = block.column(columns.ORDINAL)[0].as_py()
-            last = block.column(columns.ORDINAL)[-1].as_py()
-            part = self._drop(block, self._arrange(block))
-            if self.layout.dedupe:
-                part = part.take(self._dedupe(part))
-            records.append(self._write(part_name(first, last + 1), block, part, steps))
+            records.append(self._write_run(batch.take(rows), steps))
             if steps is not None:
                 steps = []  # the batch's other parts: their input rows, no counts again
+        for ordinal, piece in pieces:
+            block = self._set_aside(ordinal, piece)
+            if block is not None:
+                records.append(self._write_run(block, [] if steps is not None else None))
         return pa.Table.from_pylist(records, RECORD_SCHEMA)
+
+    def _write_run(self, block: pa.Table, steps: list[dict] | None) -> dict:
+        """A run of consecutive whole input rows of one block, written as its part."""
+        first = block.column(columns.ORDINAL)[0].as_py()
+        last = block.column(columns.ORDINAL)[-1].as_py()
+        part = self._drop(block, self._arrange(block))
+        if self.layout.dedupe:
+            part = part.take(self._dedupe(part))
+        return self._write(part_name(first, last + 1), block, part, steps)
+
+    def _set_aside(self, ordinal: int, piece: pa.Table) -> pa.Table | None:
+        """Some of one input row's samples, kept aside in staging until the rest arrive (in
+        this writer or another of the pool). Returns the row's samples, all of them in sample
+        order, when this piece completes it (its pieces then removed), else None. Two writers
+        completing it at once write the same part, whole, under the same name."""
+        prefix = _SAMPLES_PIECE.format(ordinal, "")
+        first = piece.column(columns.SAMPLE_INDEX)[0].as_py()
+        (self.staging / f"{prefix}{first:06d}.parquet").write(
+            lambda tmp: pq.write_table(piece, tmp))
+        names = [n for n in self.staging.names() if n.startswith(prefix)]
+        found = []
+        for name in names:
+            try:
+                found.append(read_part(self.staging / name))
+            except FileNotFoundError:  # the writer that completed the row removed it
+                return None
+        block = pa.concat_tables(found, promote_options="permissive")
+        index = block.column(columns.SAMPLE_INDEX).to_numpy()
+        # a piece staged by an interrupted run, its row now run again: each sample once
+        index, keep = np.unique(index, return_index=True)
+        if len(index) < piece.column(columns.SAMPLES)[0].as_py():
+            return None
+        block = block.take(pa.array(keep, pa.int64()))  # (np.unique: in sample order)
+        for name in names:
+            try:
+                (self.staging / name).remove()
+            except FileNotFoundError:
+                pass
+        return block
+
+
+def _whole_rows(batch: pa.Table) -> tuple[pa.Table, list[tuple[int, pa.Table]]]:
+    """The batch's whole input rows, and the rows of which only some samples came, as
+    ``(ordinal, its samples here)``. Only rows with several samples can come in pieces (the
+    predictor gives each of their rows ``columns.SAMPLES``, the row's sample count)."""
+    if columns.SAMPLES not in batch.column_names or batch.num_rows == 0:
+        return batch, []
+    ordinals = batch.column(columns.ORDINAL).to_numpy()
+    expected = batch.column(columns.SAMPLES).to_numpy()
+    values, first, counts = np.unique(ordinals, return_index=True, return_counts=True)
+    short = values[counts < expected[first]]
+    if len(short) == 0:
+        return batch, []
+    cut = np.isin(ordinals, short)
+    pieces = [(int(o), batch.filter(pa.array(ordinals == o))) for o in short]
+    return batch.filter(pa.array(~cut)), pieces
 
 
 def _runs(ordinals: pa.ChunkedArray | pa.Array, block_starts: tuple[int, ...]) -> list:
@@ -255,31 +330,46 @@ class RetryWriter(_Writer):
         super().__init__(layout)
         self.expected = dict(zip(layout.block_starts, layout.block_rows))
         self.pending: dict[int, list[pa.Table]] = {}
-        self.arrived: dict[int, set[int]] = {}
+        # of each block, the samples arrived: {ordinal: {sample index}}; a row is whole once
+        # all of its samples have (Ray Data may cut a block between two of them)
+        self.arrived: dict[int, dict[int, set[int]]] = {}
+        self.whole: dict[int, int] = {}  # of each block, its rows arrived whole
         self.written: set[int] = set()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         ordinals = batch.column(columns.ORDINAL).to_pylist()
+        samples = (batch.column(columns.SAMPLE_INDEX).to_pylist()
+                   if columns.SAMPLES in batch.column_names else [0] * len(ordinals))
+        counts = (batch.column(columns.SAMPLES).to_pylist()
+                  if columns.SAMPLES in batch.column_names else [1] * len(ordinals))
         starts = self.layout.block_starts
         blocks: dict[int, list[int]] = {}
         for i, ordinal in enumerate(ordinals):
             blocks.setdefault(starts[bisect.bisect_right(starts, ordinal) - 1], []).append(i)
         records = []
         for start, rows in sorted(blocks.items()):
-            # rows handed over again after a retried task: never merged twice
-            seen = self.arrived.setdefault(start, set())
-            rows = [i for i in rows if ordinals[i] not in seen]
+            # samples handed over again after a retried task: never merged twice
+            seen = self.arrived.setdefault(start, {})
+            rows = [i for i in rows if samples[i] not in seen.get(ordinals[i], ())]
             if start in self.written or not rows:
                 continue
             self.pending.setdefault(start, []).append(batch.take(rows))
-            seen.update(ordinals[i] for i in rows)
-            if len(seen) < self.expected[start]:
+            for i in rows:
+                got = seen.setdefault(ordinals[i], set())
+                got.add(samples[i])
+                if len(got) == counts[i]:
+                    self.whole[start] = self.whole.get(start, 0) + 1
+            if self.whole.get(start, 0) < self.expected[start]:
                 continue
+            del self.whole[start]
             pieces = self.pending.pop(start)
             del self.arrived[start]
             block = pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
-            if len(pieces) > 1:  # input order; a row's samples keep theirs (stable sort)
-                block = block.take(pc.sort_indices(block.column(columns.ORDINAL)))
+            if len(pieces) > 1:  # input order, each row's samples in sample order
+                keys = [(columns.ORDINAL, "ascending")] + (
+                    [(columns.SAMPLE_INDEX, "ascending")]
+                    if columns.SAMPLES in block.column_names else [])
+                block = block.take(pc.sort_indices(block, sort_keys=keys))
             part = self._arrange(block)
             if self.layout.dedupe:  # the block too: _merge reads its ordinals row for row
                 keep = self._dedupe(part)

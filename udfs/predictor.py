@@ -252,7 +252,10 @@ class Predictor:
                                                 columns.FINISH_REASON, columns.ERROR_KIND,
                                                 columns.ERROR) if c in batch.column_names])
         if expand:
-            batch = batch.append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
+            batch = (batch
+                     .append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
+                     .append_column(columns.SAMPLES, pa.array([ns[i] for i in take],
+                                                              pa.int32())))
         rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
         for name, values in self._scores(todo, results, overrides, rows):
             batch = batch.append_column(name, values)

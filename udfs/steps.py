@@ -198,7 +198,7 @@ class StepsPredictor:
         if step.explode:
             out, kinds, errors = _explode(out, c, kinds, errors, step.name)
         if columns.SAMPLE_INDEX in out.column_names:  # n > 1: C_index numbers them instead
-            out = out.drop_columns([columns.SAMPLE_INDEX])
+            out = out.drop_columns([columns.SAMPLE_INDEX, columns.SAMPLES])
         # the row's totals: its error (a step runs only rows without one: the first, naming
         # its step), tokens summed, the last finish
         out = _replace(out, _KIND, pa.array(kinds, pa.string()))
