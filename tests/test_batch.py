@@ -347,3 +347,60 @@ def test_a_parameter_overnight_cannot_honour_is_that_requests_error(scored_batch
         assert errors[custom_id]["code"] == "invalid_body"
         assert message in errors[custom_id]["message"], errors[custom_id]
     assert "lp-chat" in results  # user and metadata change nothing: accepted
+
+
+# A kill between the two renames of a write (issue #46 item 2): this sitecustomize, on the
+# PYTHONPATH of an `overnight batch`, SIGKILLs the process right after a file is renamed to
+# the path OVERNIGHT_TEST_KILL_AFTER names, the moment a kill -9 of the server can strike
+KILL_AFTER_RENAME = """
+import os, signal
+_target = os.environ.get("OVERNIGHT_TEST_KILL_AFTER")
+if _target:
+    _replace = os.replace
+    def _replace_then_die(src, dst, *args, **kwargs):
+        _replace(src, dst, *args, **kwargs)
+        if os.path.abspath(dst) == _target:
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.replace = _replace_then_die
+"""
+
+
+def test_a_write_killed_between_the_two_files_is_completed_by_the_rerun(tiny_model, tmp_path):
+    """The result and error files are one commit: killed after the first is in place, the
+    same command run again completes the pair (it once refused: "already exists"); run
+    once more it changes nothing; for another request file it still refuses. No engine: a
+    file whose lines all fail to parse."""
+    from conftest import REPO
+
+    (tmp_path / "faults").mkdir()
+    (tmp_path / "faults" / "sitecustomize.py").write_text(KILL_AFTER_RENAME)
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    errors = tmp_path / "results.errors.jsonl"
+    requests.write_text('{not json\n{"custom_id": "x", "method": "POST", "url": "/v1/nope", '
+                        '"body": {}}\n')
+
+    def cli(**env):
+        return subprocess.run([sys.executable, "-m", "pipelines.cli", "batch", str(requests),
+                               "-o", str(results), "--model", tiny_model, *[
+                                   a for s in SETTINGS for a in ("--set", s)]],
+                              capture_output=True, text=True, cwd=REPO, timeout=300,
+                              env={**os.environ, **env})
+
+    killed = cli(PYTHONPATH=str(tmp_path / "faults"), OVERNIGHT_TEST_KILL_AFTER=str(results))
+    assert killed.returncode == -9, killed.stderr
+    assert results.exists()  # the first of the two in place
+    rerun = cli()
+    assert rerun.returncode == 0, rerun.stderr
+    assert "2 errors" in rerun.stdout and results.read_text() == ""
+    lines = [json.loads(line) for line in errors.read_text().splitlines()]
+    assert [(e["error"]["line"], e["error"]["code"]) for e in lines] == [
+        (1, "invalid_json"), (2, "invalid_url")]
+    written = errors.read_bytes()
+    again = cli()
+    assert again.returncode == 0 and "2 errors" in again.stdout, again.stderr
+    assert errors.read_bytes() == written and not list(tmp_path.glob(".*.staged"))
+    requests.write_text("{not json either\n")  # another file: the files in place are not its
+    other = cli()
+    assert other.returncode == 2
+    assert other.stderr.strip() == (f"overnight: error: {results} already exists; "
+                                    "pass --overwrite to replace it")
