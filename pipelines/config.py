@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from pipelines.errors import ConfigError
 from udfs import columns
@@ -285,7 +286,8 @@ class OutputConfig(_Strict):
 
 class ResourcesConfig(_Strict):
     replicas: int | Literal["auto"] = Field(
-        "auto", description="Engines to run; auto = GPUs / tensor_parallel_size (1 on CPU)."
+        "auto", description="Engines to run (1 or more); auto = GPUs / tensor_parallel_size "
+        "(1 on CPU)."
     )
     batch_size: int = Field(256, gt=0, description="Rows per block and per output part.")
     blocks_in_flight: int = Field(
@@ -298,6 +300,15 @@ class ResourcesConfig(_Strict):
     accelerator_type: str | None = Field(
         None, description="Pin engines to one kind of accelerator, e.g. A100, H100, MI300X "
         "(Ray's accelerator_type).")
+
+    @field_validator("replicas")
+    @classmethod
+    def _an_engine_at_least(cls, value):
+        """0 (or fewer) engines passed as a count: the run divided by it once it had
+        started, and left its staging folder behind."""
+        if value != "auto" and value < 1:
+            raise ValueError("must be 1 or more, or auto")
+        return value
 
 
 class PricePerMTok(_Strict):

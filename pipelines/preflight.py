@@ -7,6 +7,7 @@ the picklable specs each stage needs. Any problem is a JobError whose one line n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -91,6 +92,8 @@ def plan_job(config: JobConfig) -> JobPlan:
     if config.steps is None and config.prompt.template is not None:
         _check_template_renders(config, plan, variables)
     max_model_len = _resolve_model(config)
+    if config.engine.kind == "vllm":
+        _check_engine_args(config.engine.args)
     if pooling is not None:
         from pipelines.pooling import max_seq_length
 
@@ -428,6 +431,53 @@ def _resolve_model(config: JobConfig) -> int:
         return local.max_position_embeddings
     # (without a length in config.json, transformers reads the config and the tokenizer)
     return resolve_max_model_len(name, config.model.max_model_len, remote_code, tokenizer)
+
+
+def _check_engine_args(args: dict) -> None:
+    """Each key of ``engine.args`` is one vllm.LLM takes (its own arguments, or
+    EngineArgs' fields, where it sends the rest): a misspelt key failed only once an engine
+    had started, minutes into a job. Where vLLM is not installed here (a job run on a
+    cluster), the engine's own start says."""
+    known = vllm_engine_args()
+    unknown = [key for key in args if known is not None and key not in known]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"engine.args.{unknown[0]}: not an argument of vllm.LLM or its "
+                          f"EngineArgs{hint}")
+
+
+@functools.cache
+def vllm_engine_args() -> frozenset[str] | None:
+    """The keyword arguments vllm.LLM accepts, read from vLLM's source, not imported
+    (``import vllm`` takes 7-9 s and torch with it); None where vLLM is not installed or its
+    source is not laid out as expected."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+        root = Path(next(iter(spec.submodule_search_locations)))
+        trees = {name: ast.parse((root / path).read_text())
+                 for name, path in (("LLM", "entrypoints/llm.py"),
+                                    ("EngineArgs", "engine/arg_utils.py"))}
+    except (AttributeError, StopIteration, TypeError, OSError, SyntaxError, ValueError):
+        return None
+    names = set()
+    for cls, tree in trees.items():
+        body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef)
+                     and n.name == cls), None)
+        if body is None:
+            return None
+        for node in body:
+            if cls == "EngineArgs" and isinstance(node, ast.AnnAssign) \
+                    and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+            elif cls == "LLM" and isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                names.update(a.arg for a in node.args.args[1:] + node.args.kwonlyargs)
+    return frozenset(names) if names else None
 
 
 @dataclass(frozen=True)

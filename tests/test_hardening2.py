@@ -1,0 +1,81 @@
+"""Defects found in review (issue #46, "Hardening II"), each pinned where a user meets it: a
+config, an input or a template that ``overnight validate`` refuses in one line (or reads), and
+the steps of a job, unit by unit where an engine start would only repeat what is tested."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipelines.cli import main
+
+from conftest import job_config
+
+
+def cli(*args, capsys) -> tuple[int, str, str]:
+    code = main([*map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line_error(err: str, *needles: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("overnight: error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def job_file(tiny_model, tmp_path):
+    """(folder, data folder, write(**sections) -> the job's YAML): a job on data/ (JSONL
+    rows of title and description unless a test writes its own files)."""
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def write(input_path=data, **sections):
+        config = job_config(tiny_model, input_path, tmp_path / "out")
+        for name, value in sections.items():
+            config[name] = {**config.get(name, {}), **value}
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    return tmp_path, data, write
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+ROWS = [{"title": f"Lamp {i}", "description": f"light {i}"} for i in range(3)]
+
+
+# -- 16: replicas
+
+
+@pytest.mark.parametrize("replicas", [0, -2])
+def test_no_replicas_is_refused_by_validate(job_file, capsys, replicas):
+    _, data, write = job_file
+    write_jsonl(data / "a.jsonl", ROWS)
+    code, _, err = cli("validate", write(resources={"replicas": replicas}), capsys=capsys)
+    assert code == 2
+    one_line_error(err, "resources.replicas", "1 or more")
+
+
+# -- engine.args
+
+
+def test_an_unknown_engine_arg_is_refused_by_validate(job_file, capsys):
+    _, data, write = job_file
+    write_jsonl(data / "a.jsonl", ROWS)
+    code, _, err = cli("validate", write(engine={"args": {"max_num_seq": 4}}), capsys=capsys)
+    assert code == 2
+    one_line_error(err, "engine.args.max_num_seq", "'max_num_seqs'")
+    code, _, err = cli("validate", write(engine={"args": {"max_num_seqs": 4, "seed": 1}}),
+                       capsys=capsys)
+    assert code == 0, err
