@@ -192,6 +192,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     store = OutputStore(config.output.path)
     key_column = config.input.id_column or columns.ROW_ID
     block_starts = tuple(b.ordinal for b in plan.input.blocks)
+    if not retry_errors and (record := store.interrupted_commit(plan.fingerprint)):
+        return _finish_commit(store, record)
     try:
         if retry_errors:
             only_rows, done = store.open_retry(plan.fingerprint, key_column, block_starts,
@@ -287,6 +289,17 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
                                   stats=stats, timings={
         "started": started, "planned": planned, "ray_ready": ray_ready,
         "finished": time.time()})
+    summary.report_path = str(write_report(store.path, summary.report))
+    return summary
+
+
+def _finish_commit(store: OutputStore, record: dict) -> RunSummary:
+    """A run stopped after its output was put in place, before its record said so: the
+    output is whole (the staging folder became it in one rename); the record is marked
+    complete, and the report counted from the output."""
+    summary = RunSummary(**record["summary"])
+    store.finish_commit(record)
+    summary.report = build_report(store.path, record)  # (the stopped run's times are gone)
     summary.report_path = str(write_report(store.path, summary.report))
     return summary
 

@@ -13,6 +13,8 @@ STATES = {
     "running": "unfinished (running now, or interrupted: run the same job again to resume)",
     "retrying": "re-running rows with errors (interrupted: run with --retry-errors again)",
     "complete": "complete",
+    "committing": "committing (interrupted while the output was put in place: run the same "
+                  "job again to finish; nothing is generated again)",
 }
 
 
@@ -23,7 +25,7 @@ def output_status(path: str) -> list[str]:
         raise OutputError(f"{path!r}: no overnight job record here "
                           f"({store.record.name} is missing)")
     state = record.get("state", "unknown")
-    live = state in ("running", "retrying") and store.staging.exists()
+    live = state in ("running", "retrying", "committing") and store.staging.exists()
     id_column = record.get("fingerprint", {}).get("input", {}).get("id_column")
     key_column = id_column or columns.ROW_ID
     folder = store.staging if live else store.path

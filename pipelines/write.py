@@ -508,6 +508,32 @@ class OutputStore:
         self.path.parent.mkdir()
         self.record.write_text(json.dumps(scrub_record(record), indent=2, default=str))
 
+    def interrupted_commit(self, fingerprint: dict) -> dict | None:
+        """The record of a run of this job stopped after its output was put in place and
+        before the record said so (a local disk's commit: the staging folder renamed to the
+        output, the record still "committing"): the commit to finish. None otherwise."""
+        record = self.read_record() or {}
+        if (record.get("state") == "committing" and "summary" in record
+                and not self.staging.exists() and self.path.exists()
+                and not diff_fingerprints(record.get("fingerprint", {}), fingerprint)):
+            return record
+        return None
+
+    def finish_commit(self, record: dict) -> None:
+        """Record the job complete, once its output is in place; clear what a commit stopped
+        half-way left beside it."""
+        self.write_record({**record, "state": "complete", "finished": time.time()})
+        self.staging.remove()  # on a local disk, already gone
+        self._remove_replaced()
+
+    def _remove_replaced(self) -> None:
+        """An earlier output a local commit moved aside (``.NAME.replaced-*``), left by a
+        commit stopped between its two renames: the output is now the staged one."""
+        if self.path.local:
+            for name in self.path.parent.names():
+                if name.startswith(f".{self.path.name}.replaced-"):
+                    (self.path.parent / name).remove()
+
     def open(self, fingerprint: dict, *, overwrite: bool, rows_total: int = 0,
              block_starts: tuple[int, ...] = ()) -> set[int]:
         """Prepare staging for this job; return the first ordinals of blocks already written
@@ -633,22 +659,20 @@ class OutputStore:
         for name in self.staging.names():  # temporaries left by a killed run; superseded
             if name not in keep:
                 (self.staging / name).remove()
+        # "committing", with the summary: a run stopped from here on finishes the commit
+        # (``interrupted_commit``) instead of finding an output it would refuse to replace
+        self.write_record({**record, "state": "committing"})
         if self.path.local:
-            old = None
-            if self.path.exists():
-                old = self.path.with_name(f".{self.path.name}.replaced-{uuid.uuid4().hex[:8]}")
-                self.path.rename_to(old)
+            if self.path.exists():  # moved aside, then removed once the new one is in place
+                self.path.rename_to(self.path.with_name(
+                    f".{self.path.name}.replaced-{uuid.uuid4().hex[:8]}"))
             self.staging.rename_to(self.path)
-            if old is not None:
-                old.remove()
         else:
-            self.write_record({**record, "state": "committing"})
             self.path.remove()
             self.path.mkdir()
             for name in self.staging.names():
                 (self.staging / name).copy_to(self.path / name)
-        self.write_record({**record, "state": "complete", "finished": time.time()})
-        self.staging.remove()  # on a local disk, already gone
+        self.finish_commit(record)
 
 
 def covered_blocks(parts: list[Part], block_starts: tuple[int, ...],

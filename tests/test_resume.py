@@ -178,3 +178,30 @@ def test_retry_errors_reruns_only_the_failed_rows(resume_job, reference, ray_clu
     assert summary.rows_resumed == ROWS - failed_before  # only the failed rows ran
     assert_same_output(out, reference)  # R0009 regenerated; null rows fail as before
     assert os.stat(out / part_name(0, 4)).st_ino == untouched  # linked, not rewritten
+
+
+def test_a_run_stopped_in_its_commit_is_finished_by_the_same_command(resume_job, reference):
+    """Killed after the staging folder became the output and before the record said so:
+    `overnight status` and the same `overnight run` finish the commit (it once said "already
+    exists; pass --overwrite", which would generate every row again). A commit stopped
+    between its two renames leaves the old output aside: cleared once the new one is in."""
+    root, _, write_config = resume_job
+    path = write_config("stopped-commit")
+    out, record_file = root / "stopped-commit", root / "stopped-commit.overnight.json"
+    shutil.copytree(root / "reference", out)
+    record = json.loads((root / "reference.overnight.json").read_text())
+    record_file.write_text(json.dumps({**record, "state": "committing"}))
+    aside = root / ".stopped-commit.replaced-0123abcd"  # the output a --overwrite replaced
+    shutil.copytree(root / "reference", aside)
+    inode = os.stat(out / sorted(os.listdir(out))[0]).st_ino
+
+    status = overnight("status", out)
+    assert status.returncode == 0 and "state: committing (interrupted" in status.stdout
+    done = overnight("run", path, "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(record_file.read_text())["state"] == "complete"
+    assert not aside.exists() and not (root / "stopped-commit.partial").exists()
+    assert os.stat(out / sorted(os.listdir(out))[0]).st_ino == inode  # nothing rewritten
+    assert_same_output(out, reference)
+    assert json.loads((root / "stopped-commit.report.json").read_text())["rows"]["input"] \
+        == ROWS
