@@ -28,8 +28,8 @@ from udfs.logprobs import SERVER_TOP_K_MAX, confidence_top_k
 from udfs.parsers import SchemaError, StructuredSpec
 from udfs.predictor import SamplingSpec
 from udfs.pooler import PoolingSpec
-from udfs.prompts import (PromptRenderer, RenderSpec, TemplateError, compile_template,
-                          load_tokenizer, render_template)
+from udfs.prompts import (NullValue, PromptRenderer, RenderSpec, TemplateError,
+                          compile_template, load_tokenizer, render_template)
 
 
 @dataclass
@@ -327,8 +327,10 @@ def _check_template_renders(config: JobConfig, plan: InputPlan, variables: list[
                 continue
             row = PromptRenderer.fill_nulls(row)
         try:
-            render_template(template, row)
+            render_template(template, row, prompt.on_null)
             return
+        except NullValue:  # a null inside a column: the row's own error, as above
+            continue
         except Exception as exc:  # noqa: BLE001 - what the row would get as its error
             tried += 1
             first = first or (keys[i], " ".join(str(exc).split())[:200])

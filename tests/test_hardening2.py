@@ -79,3 +79,39 @@ def test_an_unknown_engine_arg_is_refused_by_validate(job_file, capsys):
     code, _, err = cli("validate", write(engine={"args": {"max_num_seqs": 4, "seed": 1}}),
                        capsys=capsys)
     assert code == 0, err
+
+
+# -- 8: nulls inside a struct or a list
+
+
+NESTED = [{"title": "Lamp", "meta": {"color": None, "size": 3}, "tags": ["a", None]},
+          {"title": "Desk", "meta": {"color": "red", "size": 4}, "tags": ["b"]}]
+
+
+def test_a_null_inside_a_struct_or_list_follows_on_null_and_never_prints_none(job_file,
+                                                                              capsys):
+    _, data, write = job_file
+    write_jsonl(data / "a.jsonl", NESTED)
+    prompt = {"template": 'Color: {{ meta.color }}, size {{ meta.size }}', "system": None}
+    code, out, err = cli("validate", write(prompt=prompt), capsys=capsys)
+    assert code == 0, err
+    assert "will fail: 1 rows null_field, e.g. row 0: 'meta.color' is null in this row" in out
+    lists = {"template": '{{ tags | join(", ") }}', "system": None}
+    code, out, err = cli("validate", write(prompt=lists), capsys=capsys)
+    assert "will fail: 1 rows null_field, e.g. row 0: 'tags[1]' is null in this row" in out
+    code, out, err = cli("validate", write(prompt={**prompt, "on_null": "empty"}),
+                         capsys=capsys)
+    assert code == 0 and "will fail: no row" in out, err
+    assert "Color: , size 3" in out and "Color: red, size 4" in out and "None" not in out
+    code, out, err = cli("validate", write(prompt={**lists, "on_null": "empty"}),
+                         capsys=capsys)
+    assert "\na, <" in out and "None" not in out
+
+
+def test_a_template_may_test_and_default_a_nested_null(tiny_model):
+    from udfs.prompts import compile_template, render_template
+
+    template, _ = compile_template(
+        "{{ meta.color | default('n/a') }}|{{ 'none' if meta.color is none }}|"
+        "{{ meta | tojson }}|{{ tags | select | join(',') }}")
+    assert render_template(template, NESTED[0]) == 'n/a|none|{"color": null, "size": 3}|a'

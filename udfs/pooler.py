@@ -103,8 +103,8 @@ class PairRenderer(PromptRenderer):
                         f"column {nulls[0]!r} is null in this row")
             row = self.fill_nulls(row)
         try:
-            query, document = (render_template(self.template, row),
-                               render_template(self.pair, row))
+            query, document = (render_template(self.template, row, self.spec.on_null),
+                               render_template(self.pair, row, self.spec.on_null))
             encoding = self.tokenizer(text=query, text_pair=document)
         except Exception as exc:  # a template error on this row's values: the row's problem
             return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
