@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipelines.errors import OutputError
 from pipelines.read import _conform  # a block given the input's schema: the same cast
 from pipelines.storage import Location
 from pipelines.write import (COUNTED, Part, add_steps, count_part, list_parts, part_name,
@@ -95,12 +96,16 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
     is. Returns the file's counts."""
     target = staging / group.name
     if group.names == (group.name,):
-        return file_stats(read_part(target, columns=[*COUNTED, key_column]), key_column,
+        return file_stats(_read_staged(target, columns=[*COUNTED, key_column]), key_column,
                           group.name)
     schemas = []
     for name in group.names:
-        with (staging / name).open() as handle:
-            schemas.append(pq.read_schema(handle))
+        try:
+            with (staging / name).open() as handle:
+                schemas.append(pq.read_schema(handle))
+        except (OSError, pa.ArrowException):
+            _read_staged(staging / name)  # names the part
+            raise
     schema = pa.unify_schemas(schemas, promote_options="permissive")
     schema = schema.with_metadata(_file_metadata(schemas))
     stats = StatsBuilder(key_column)
@@ -109,7 +114,7 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
         buffered, size = [], 0
         with pq.ParquetWriter(tmp, schema) as out:
             for name in group.names:
-                table = read_part(staging / name)
+                table = _read_staged(staging / name)
                 stats.add(table)  # (with the part's own metadata: a job with steps' counts)
                 table = table.replace_schema_metadata(schema.metadata)
                 if table.schema != schema:
@@ -127,6 +132,17 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
         if name != group.name:
             (staging / name).remove()
     return stats.result(group.name)
+
+
+def _read_staged(path: Location, columns: list[str] | None = None) -> pa.Table:
+    """A staged part; one that cannot be read (a disk fault, a file cut short outside our
+    writes) is named, with what to do: its rows run again once it is gone."""
+    try:
+        return read_part(path, columns=columns)
+    except (OSError, pa.ArrowException) as exc:
+        raise OutputError(f"{path}: this part cannot be read ({' '.join(str(exc).split())[:200]}"
+                          "); remove it and run the same command again: its rows run "
+                          "again") from None
 
 
 def _file_metadata(schemas: list[pa.Schema]) -> dict:

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from pipelines.config import JobConfig
@@ -187,7 +188,8 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     if retry_errors and config.steps is not None:
         raise JobError("--retry-errors does not apply to a job with steps yet (a row's steps "
                        "run together); run the job again with --overwrite")
-    plan = plan_job(config)
+    with stage("planning the job"):  # every stage's unforeseen failure: one line
+        plan = plan_job(config)
     planned = time.time()
     store = OutputStore(config.output.path)
     key_column = config.input.id_column or columns.ROW_ID
@@ -262,8 +264,9 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
             raise JobError(f"{len(missing)} block(s) were not written (first: rows from "
                            f"{missing[0]}); the parts written are kept: run again to resume")
         # the parts into files of output.file_size_mb, on the cluster (pipelines/compact.py)
-        stats = compact(store.staging, block_starts, plan.input.num_rows,
-                        int(config.output.file_size_mb * (1 << 20)), key_column)
+        with stage("compacting the parts", kept=True):
+            stats = compact(store.staging, block_starts, plan.input.num_rows,
+                            int(config.output.file_size_mb * (1 << 20)), key_column)
     summary = RunSummary(output=str(store.path))
     for file in stats:
         summary.add_part(file)
@@ -285,12 +288,28 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
         raise OutputError(f"output.path {str(store.path)!r}: cannot commit the output: "
                           f"{' '.join(str(exc).split())[:300]} (the parts written are kept: "
                           "run the same command again)") from None
-    summary.report = build_report(store.path, record, times=times, samples=samples,
-                                  stats=stats, timings={
-        "started": started, "planned": planned, "ray_ready": ray_ready,
-        "finished": time.time()})
-    summary.report_path = str(write_report(store.path, summary.report))
+    with stage("writing the run report (the output is committed)"):
+        summary.report = build_report(store.path, record, times=times, samples=samples,
+                                      stats=stats, timings={
+            "started": started, "planned": planned, "ray_ready": ray_ready,
+            "finished": time.time()})
+        summary.report_path = str(write_report(store.path, summary.report))
     return summary
+
+
+@contextmanager
+def stage(what: str, kept: bool = False):
+    """A stage of ``run_job`` whose unforeseen failure (a corrupt part, a full disk, a bug)
+    stops the job in one line, as a user's mistake does; --debug shows the traceback."""
+    try:
+        yield
+    except JobError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the boundary: whatever it was, one line
+        kept_note = ("the parts written are kept: fix the cause and run the same command "
+                     "again; " if kept else "")
+        raise StageError(f"{what} failed: {root_cause(exc)} ({kept_note}--debug shows the "
+                         "traceback)") from exc
 
 
 def _finish_commit(store: OutputStore, record: dict) -> RunSummary:

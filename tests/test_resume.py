@@ -205,3 +205,28 @@ def test_a_run_stopped_in_its_commit_is_finished_by_the_same_command(resume_job,
     assert_same_output(out, reference)
     assert json.loads((root / "stopped-commit.report.json").read_text())["rows"]["input"] \
         == ROWS
+
+
+def test_a_part_that_cannot_be_read_stops_the_commit_in_one_line_naming_it(resume_job,
+                                                                           reference):
+    """A corrupt staged part (a disk fault) once stopped compaction with a RayTaskError
+    traceback; now one line names the part and what to do, and the rest stay staged."""
+    root, _, write_config = resume_job
+    path = write_config("corrupt")
+    staging = root / "corrupt.partial"
+    shutil.copytree(root / "reference", staging)
+    record = json.loads((root / "reference.overnight.json").read_text())
+    (root / "corrupt.overnight.json").write_text(json.dumps(
+        {"state": "running", "rows_total": ROWS, "fingerprint": record["fingerprint"]}))
+    victim = staging / part_name(8, 12)
+    victim.write_bytes(victim.read_bytes()[:100])  # cut short
+
+    done = overnight("run", path, "--quiet")
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("overnight: error")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"{victim}: this part cannot be read" in lines[0]
+    assert "remove it and run the same command again" in lines[0]
+    victim.unlink()
+    status = overnight("status", root / "corrupt")
+    assert f"rows: {ROWS - BLOCK}/{ROWS} written" in status.stdout, status.stdout
