@@ -107,7 +107,8 @@ def ray_session(address: str | None = None, verbose: bool = False):
 
         options["runtime_env"] = {"py_modules": [pipelines, udfs]}
     try:
-        ray.init(address=address, **options)
+        with _no_http_servers(address is None):
+            ray.init(address=address, **options)
     except ConnectionError as exc:
         # A cluster made by `ray start` (Ray >= 2.60) wants its auth token, which a driver
         # sends only with RAY_AUTH_MODE=token, read when Ray is imported.
@@ -122,6 +123,29 @@ def ray_session(address: str | None = None, verbose: bool = False):
         yield
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _no_http_servers(local: bool):
+    """A Ray started here serves no HTTP. ``include_dashboard=False`` still starts Ray's
+    dashboard process (--port=8265, for usage stats) and its per-node agent (port 52365, with
+    the jobs API, through which any local user could run code as this user), and both serve
+    HTTP whenever Ray's optional dashboard packages import (``ray[default]``). Ray starts
+    them ``--minimal``, with no HTTP server, when they do not; it asks
+    ``get_dashboard_dependency_error`` while ``ray.init`` starts the processes, so that is
+    where they are told so. (A cluster joined at an address is its owner's to secure.)"""
+    from ray._private import utils
+
+    check = getattr(utils, "get_dashboard_dependency_error", None)
+    if not local or check is None:
+        yield
+        return
+    utils.get_dashboard_dependency_error = lambda: ImportError(
+        "overnight starts Ray without its dashboard's HTTP servers")
+    try:
+        yield
+    finally:
+        utils.get_dashboard_dependency_error = check
 
 
 def _mute_ray_error_feed() -> None:
