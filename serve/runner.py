@@ -8,7 +8,10 @@ Each batch runs as a child process, ``python -m pipelines.cli batch input.jsonl 
 - can be stopped whole (SIGKILL to the group: its parts are committed atomically);
 - dies with the server (``PR_SET_PDEATHSIG``): a ``kill -9`` of the server leaves no engine
   running, and the restarted server starts the child again, which resumes from the job's
-  committed parts (``run_batch_file`` resumes an interrupted run of the same file).
+  committed parts (``run_batch_file`` resumes an interrupted run of the same file);
+- when it dies on its own (the OOM killer), takes its Ray processes with it (its group is
+  killed) and is started again from those parts, ``ATTEMPTS`` runs at most; past that the
+  batch fails with the results done so far, delivered as a cancel delivers them.
 
 While it runs, ``request_counts`` is read from those committed parts (each part once), in the
 job's staging folder ``results.jsonl.overnight/output.partial/``. A cancelled batch gets the
@@ -41,6 +44,12 @@ log = logging.getLogger("overnight.serve")
 
 POLL = 0.5  # seconds between looks at a running child (counts, cancel)
 RESULTS, ERRORS, INPUT = "results.jsonl", "errors.jsonl", "input.jsonl"
+# A child that dies without its own error (the OOM killer's SIGKILL, a crash) is started again
+# from the job's committed parts, up to this many runs in all; each death is one line of
+# DEATHS in the batch's folder (when, how), which survives a restart of the server.
+ATTEMPTS = 3
+DEATHS = "deaths.jsonl"
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
@@ -115,19 +124,30 @@ class Runner:
             self._guard(batch_id, self._finalize, batch_id, "completed")
 
     def _guard(self, batch_id: str, step, *args) -> None:
-        """A step that fails on a server bug fails its batch, not the queue."""
+        """A step that fails on a server bug ends its batch, not the queue: cancelled if the
+        user asked for that, else failed; a batch already in a final status keeps it."""
         try:
             step(*args)
         except Exception as exc:  # noqa: BLE001 - the queue must go on
             log.exception("batch %s: %s", batch_id, type(exc).__name__)
-            self.store.update_batch(batch_id, status="failed", failed_at=int(time.time()),
-                                    errors=_one_error("server_error", f"{type(exc).__name__}"))
+            now, errors = int(time.time()), _one_error("server_error", type(exc).__name__)
+            if self.store.update_batch(batch_id, only_if=("cancelling",), status="cancelled",
+                                       cancelled_at=now, errors=errors) is None:
+                self.store.update_batch(batch_id, only_if=UNFINISHED, status="failed",
+                                        failed_at=now, errors=errors)
 
     def _run(self, batch_id: str) -> None:
+        from pipelines.batch import finish_write
+
         folder = self.store.batch_dir(batch_id)
         _stop_stale_child(self.store, batch_id)
-        if (folder / RESULTS).exists() and (folder / ERRORS).exists():
-            self._finalize(batch_id, "completed")  # the child finished; the server did not
+        if finish_write(folder / RESULTS, folder / ERRORS) is not None:
+            # the child finished; the server did not see it
+            self._finalize(batch_id, "completed", only_if=("in_progress", "finalizing"))
+            return
+        deaths = _deaths(folder)
+        if len(deaths) >= ATTEMPTS:  # given up before a restart, not yet delivered
+            self._give_up(batch_id, deaths)
             return
         child = self._launch(batch_id, folder)
         while child.poll() is None:
@@ -140,18 +160,39 @@ class Runner:
             self._housekeeping(running=batch_id)
             self._run_wake.wait(POLL)
             self._run_wake.clear()
+        _stop(child)  # what the child started (Ray's processes, its group) goes with it
         self.store.set_child(batch_id, None)
-        if child.returncode == 0:
-            self.store.update_batch(batch_id, status="finalizing",
-                                    finalizing_at=int(time.time()))
+        if child.returncode == 0 and self.store.update_batch(
+                batch_id, only_if=("in_progress",), status="finalizing",
+                finalizing_at=int(time.time())) is not None:
             self._finalize(batch_id, "completed")
         elif self.store.get_batch(None, batch_id)["status"] == "cancelling":
             self._finish_cancel(batch_id)
+        elif (message := _own_error(folder)) is not None:  # it ran and refused: not again
+            self._give_up(batch_id, [], message)
         else:
-            message = _failure(folder, child)
-            self.store.update_batch(batch_id, status="failed", failed_at=int(time.time()),
-                                    errors=_one_error("batch_failed", message))
-            log.info("batch %s: failed: %s", batch_id, message)
+            cause = _death(child.returncode)
+            with open(folder / DEATHS, "a", encoding="utf-8") as record:
+                record.write(json.dumps({"at": int(time.time()), "cause": cause}) + "\n")
+                record.flush()
+                os.fsync(record.fileno())
+            deaths = _deaths(folder)
+            if len(deaths) < ATTEMPTS:  # still in_progress: the queue starts it again
+                log.warning("batch %s: its job %s (run %d of %d); starting it again from its "
+                            "committed parts", batch_id, cause, len(deaths), ATTEMPTS)
+            else:
+                self._give_up(batch_id, deaths)
+
+    def _give_up(self, batch_id: str, deaths: list[dict], message: str | None = None) -> None:
+        """A batch that cannot finish: failed, with the results of the parts done so far
+        (delivered as a cancel delivers them) and the reason in its errors."""
+        if message is None:
+            message = (f"the batch's job died {len(deaths)} times (last: "
+                       f"{deaths[-1]['cause']}); the results done so far are delivered")
+        self._deliver(batch_id)
+        self._finalize(batch_id, "failed", only_if=("in_progress",),
+                       errors=_one_error("batch_failed", message))
+        log.info("batch %s: failed: %s", batch_id, message)
 
     def _launch(self, batch_id: str, folder: Path) -> subprocess.Popen:
         command = [sys.executable, "-m", "pipelines.cli", "batch", str(folder / INPUT),
@@ -162,6 +203,8 @@ class Runner:
         for override in self.overrides:
             command += ["--set", override]
         with open(folder / "log.txt", "ab") as log_file:
+            log_file.write(_RUN_MARK.encode())  # where this run's own error would start
+            log_file.flush()
             child = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_die_with_parent,
@@ -196,23 +239,29 @@ class Runner:
 
     def _finish_cancel(self, batch_id: str) -> None:
         """A stopped (or never started) batch: the results of the parts done so far."""
-        from pipelines.batch import write_results
-
         _stop_stale_child(self.store, batch_id)
+        self._deliver(batch_id)
+        self._finalize(batch_id, "cancelled", only_if=("cancelling",))
+
+    def _deliver(self, batch_id: str) -> None:
+        """The result and error files of the parts committed so far, unless the pair is
+        already written (one commit: pipelines.batch.finish_write)."""
+        from pipelines.batch import finish_write, write_results
+
         folder = self.store.batch_dir(batch_id)
         work = folder / f"{RESULTS}.overnight"
         parts = work / "output.partial"
         if not parts.is_dir():
             parts = work / "output"
-        have_results = (folder / RESULTS).exists() and (folder / ERRORS).exists()
+        have_results = finish_write(folder / RESULTS, folder / ERRORS) is not None
         if not have_results and parts.is_dir() and (work / "rejected.jsonl").exists():
             write_results(parts, work / "rejected.jsonl", folder / RESULTS, folder / ERRORS,
                           self.model)
-        self._finalize(batch_id, "cancelled")
 
-    def _finalize(self, batch_id: str, status: str) -> None:
+    def _finalize(self, batch_id: str, status: str, *,
+                  only_if: tuple[str, ...] = ("finalizing",), **extra) -> None:
         """Register the result and error files (idempotent: their ids derive from the batch's)
-        and move the batch to ``status`` with the final counts."""
+        and move the batch from one of ``only_if`` to ``status`` with the final counts."""
         batch = self.store.get_batch(None, batch_id)
         owner = self.store.batch_owner(batch_id)
         folder = self.store.batch_dir(batch_id)
@@ -229,7 +278,8 @@ class Runner:
                                     file_id=file_id, link=True)
                 changes[key] = file_id
         changes["request_counts"] = counts
-        self.store.update_batch(batch_id, **changes)
+        if self.store.update_batch(batch_id, only_if=only_if, **changes, **extra) is None:
+            return  # moved by someone else first (a cancel): that status stands
         log.info("batch %s: %s (%d completed, %d failed)", batch_id, status,
                  counts["completed"], counts["failed"])
 
@@ -286,16 +336,37 @@ def _count_lines(path: Path) -> int:
         return sum(1 for line in handle if line.strip())
 
 
-def _failure(folder: Path, child: subprocess.Popen) -> str:
-    """The child's own one-line error (``overnight: error: ...``), else its exit status."""
+def _own_error(folder: Path) -> str | None:
+    """The child's own one-line error (``overnight: error: ...``), from its last run's lines
+    of the log, if it stopped on one: a refusal a new run would repeat."""
     try:
-        lines = (folder / "log.txt").read_text(errors="replace").splitlines()
+        text = (folder / "log.txt").read_text(errors="replace")
     except OSError:
-        lines = []
-    for line in reversed(lines):
+        return None
+    for line in reversed(text.rsplit(_RUN_MARK, 1)[-1].splitlines()):
         if line.startswith("overnight: error: "):
             return line[len("overnight: error: "):]
-    return f"the batch's job stopped with exit status {child.returncode}"
+    return None
+
+
+_RUN_MARK = "-- overnight serve: a run of this batch starts --\n"
+
+
+def _death(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"stopped with exit status {returncode} and no error of its own"
+
+
+def _deaths(folder: Path) -> list[dict]:
+    try:
+        text = (folder / DEATHS).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _one_error(code: str, message: str) -> dict:

@@ -3,16 +3,22 @@
 Layout of the data directory::
 
     state.sqlite3          files and batches (the API objects as JSON, an owner, a status)
+    serve.lock             held (flock) by the one server that owns the directory
     files/<file id>        each file's bytes, written to a temporary name and renamed in
     batches/<batch id>/    a batch's input, its ``overnight batch`` work directory and log
 
 An owner is the SHA-256 of an API key, never the key. Every read takes the owner, so a key
 that does not own an object finds nothing, exactly as if it did not exist. Each write is one
 SQLite transaction (WAL, synchronous FULL): a ``kill -9`` loses at most the request in flight.
+
+One server at a time: a second on the same directory would take the first one's batches for
+its own leftovers (it stops their children as stale). A batch in a final status (TERMINAL)
+never leaves it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -20,6 +26,8 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+
+from pipelines.errors import ConfigError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -31,6 +39,9 @@ CREATE TABLE IF NOT EXISTS batches (
 """
 
 
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
 
@@ -40,6 +51,7 @@ class Store:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self._owner_lock = _lock(self.root)  # held while this object (the server) lives
         self.files_dir = self.root / "files"
         self.batches_dir = self.root / "batches"
         for folder in (self.files_dir, self.batches_dir):
@@ -134,12 +146,15 @@ class Store:
 
     def update_batch(self, batch_id: str, *, only_if: tuple[str, ...] = (), **changes) -> dict | None:
         """Apply ``changes`` to a batch object, atomically; with ``only_if``, only when its
-        status is one of those (else None: someone else moved it first)."""
+        status is one of those (else None: someone else moved it first). A final status
+        stays: a change that would move a batch out of one is refused the same way."""
         with self._lock:
             row = self._db.execute("SELECT object FROM batches WHERE id=?",
                                    (batch_id,)).fetchone()
             obj = json.loads(row["object"])
             if only_if and obj["status"] not in only_if:
+                return None
+            if obj["status"] in TERMINAL and changes.get("status") not in (None, obj["status"]):
                 return None
             obj.update(changes)
             self._db.execute("UPDATE batches SET status=?, object=? WHERE id=?",
@@ -181,3 +196,22 @@ class Store:
                                     [*args, limit + 1]).fetchall()
         objects = [json.loads(row["object"]) for row in rows]
         return objects[:limit], len(objects) > limit
+
+
+def _lock(root: Path):
+    """The data directory, locked for this process (``flock``, released by the kernel when
+    the process dies, however it dies); a ConfigError if another server holds it."""
+    root.mkdir(parents=True, exist_ok=True)
+    handle = open(root / "serve.lock", "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ConfigError(f"serve: --data-dir {root} is in use by another overnight serve "
+                          f"(pid {holder}); stop it, or give another --data-dir") from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -236,6 +238,50 @@ def test_a_malformed_file_fails_its_batch_as_the_hosted_api_reports_it(server, t
     assert "failed" in error_of(caught.value)["message"]
 
 
+def test_a_second_server_on_the_same_data_dir_is_refused_in_one_line(server):
+    """The data directory is locked for the server's life: a second ``overnight serve`` on it
+    (which once took the first one's running batch for a stale leftover and killed it)
+    stops before it touches anything."""
+    config = (server.root / "data" / "batch-config.yaml").read_bytes()
+    second = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "serve", "--config", str(server.root / "job.yaml"),
+         "--data-dir", str(server.root / "data"), "--port", str(_free_port()),
+         "--api-keys-file", str(server.root / "keys.txt")],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2
+    assert second.stderr.strip() == (
+        f"overnight: error: serve: --data-dir {server.root / 'data'} is in use by another "
+        f"overnight serve (pid {server.proc.pid}); stop it, or give another --data-dir")
+    assert (server.root / "data" / "batch-config.yaml").read_bytes() == config
+    server.client().files.list()  # the first one is still there
+
+
+def test_a_batch_never_leaves_a_final_status_and_a_failing_step_keeps_a_cancel(tmp_path):
+    """The store refuses to move a batch out of completed, failed, expired or cancelled (a
+    failed batch once went on to completed, its errors kept); a step that raises on a
+    cancelling batch ends it cancelled, not failed."""
+    from serve.runner import Runner
+    from serve.store import TERMINAL, Store
+
+    store = Store(tmp_path / "data")
+    for status in TERMINAL:
+        store.add_batch("owner", {"id": status, "status": status})
+        assert store.update_batch(status, status="completed" if status != "completed"
+                                  else "failed", errors=None) is None
+        assert store.update_batch(status, status="in_progress") is None
+        assert store.get_batch(None, status)["status"] == status
+    store.add_batch("owner", {"id": "c", "status": "cancelling"})
+    runner = Runner(store, model="m", config=None, overrides=[], served_model="m")
+
+    def server_bug():
+        raise RuntimeError("a bug")
+
+    runner._guard("c", server_bug)
+    assert store.get_batch(None, "c")["status"] == "cancelled"
+    runner._guard("completed", server_bug)
+    assert store.get_batch(None, "completed")["status"] == "completed"
+
+
 def test_batches_list_in_cursor_pages(server):
     client = server.client()
     created = [client.batches.create(
@@ -332,3 +378,57 @@ def test_killed_and_restarted_the_batch_completes_nothing_lost_or_duplicated(ser
     cancelled = wait(client, queued.id)[-1]
     assert cancelled.status == "cancelled" and cancelled.output_file_id is None
     assert cancelled.request_counts.completed == 0
+
+
+def _child_of(server: Server, batch_id: str) -> int | None:
+    """The pid of a batch's ``overnight batch`` child, as the server records it."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{server.root / 'data' / 'state.sqlite3'}?mode=ro",
+                         uri=True) as db:
+        return db.execute("SELECT child_pid FROM batches WHERE id=?", (batch_id,)).fetchone()[0]
+
+
+def _new_child(server: Server, batch_id: str, old: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while (pid := _child_of(server, batch_id)) in (None, old):
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.1)
+    return pid
+
+
+def test_a_batch_whose_job_dies_runs_again_from_its_parts_then_fails_with_them(server,
+                                                                                tmp_path):
+    """The OOM killer's kill -9 of a batch's child: its Ray processes go with it, and the
+    batch runs again from its committed parts (the counts never go back), up to
+    ATTEMPTS runs; past that it fails, with the cause, and the results done are delivered
+    (they were thrown away: failed, no output file)."""
+    from serve.runner import ATTEMPTS, _group
+
+    client = server.client()
+    uploaded = client.files.create(file=long_file(tmp_path / "d.jsonl", "d", 2_000, 4),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    before = some_done(client, batch.id)
+    child = _child_of(server, batch.id)
+    assert any(b"ray::" in c or b"raylet" in c for c in _group(child))  # the job's Ray
+    for run in range(1, ATTEMPTS + 1):
+        os.kill(child, signal.SIGKILL)
+        if run == ATTEMPTS:
+            break
+        killed, child = child, _new_child(server, batch.id, child)
+        assert _group(killed) == []  # nothing it started outlives it
+        again = client.batches.retrieve(batch.id)
+        assert again.status == "in_progress" and again.errors is None, again
+        assert again.request_counts.completed >= before.request_counts.completed
+    final = wait(client, batch.id)[-1]
+    assert final.status == "failed" and final.failed_at, (final, server.log())
+    [error] = final.errors.data
+    assert error.code == "batch_failed" and f"died {ATTEMPTS} times" in error.message \
+        and "SIGKILL" in error.message, error
+    results = lines_of(client, final.output_file_id)
+    ids = [r["custom_id"] for r in results]
+    assert len(ids) == len(set(ids)) == final.request_counts.completed
+    assert final.request_counts.completed >= before.request_counts.completed > 0
+    assert all(r["response"]["status_code"] == 200 for r in results)
