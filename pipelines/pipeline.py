@@ -16,7 +16,7 @@ from pipelines.config import JobConfig
 from pipelines.errors import JobError, OutputError, StageError, root_cause
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
-from pipelines.read import read_dataset
+from pipelines.read import blocks_at_once, read_dataset
 from pipelines.report import RunTimes, build_report, write_report
 from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
 from pipelines.storage import scrub_record
@@ -105,9 +105,14 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     """The Ray Data chain; each stage is one ``map_batches`` over whole blocks."""
     replicas = plan_replicas(plan.config)
     resources = plan.config.resources
+    # a small table's blocks are smaller than batch_size (pipelines/read.py:
+    # plan_block_rows): an engine holds more of them, the same rows at once
+    block_rows = max((b.num_rows for b in plan.input.blocks), default=resources.batch_size)
+    at_once = blocks_at_once(resources.blocks_in_flight, resources.batch_size, block_rows,
+                             len(plan.input.blocks))
     ds, ray_block_rows = read_dataset(plan.input, skip_blocks, only_rows, others,
-                                      block_rows=resources.batch_size,
-                                      slots=replicas.replicas * resources.blocks_in_flight)
+                                      block_rows=block_rows,
+                                      slots=replicas.replicas * at_once)
     if ds is None:
         return None
     engine = plan.engine
@@ -147,14 +152,13 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                         # many at once as the engine takes; a block may come in pieces, each
                         # written as a part of its own
                         fn_constructor_kwargs={"stages": engine_stages,
-                                               "cut": (layout.block_starts,
-                                                       resources.batch_size),
-                                               "at_once": resources.blocks_in_flight},
+                                               "cut": (layout.block_starts, block_rows),
+                                               "at_once": at_once},
                         # by rows, not whole blocks (Ray Data insists on it for GPU stages)
                         batch_format="pyarrow", batch_size=ray_block_rows,
                         **replicas.remote_args(),
                         compute=_pool(replicas.replicas,
-                                      concurrent_blocks=resources.blocks_in_flight))
+                                      concurrent_blocks=at_once))
     if after:
         if not retry:
             after.append(writer)

@@ -20,7 +20,8 @@ import pyarrow as pa
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
 from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, read_unit,
-                            read_units, renamed, resolve_files, scan_input)
+                            plan_block_rows, read_units, renamed, resolve_files,
+                            scan_input)
 from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
 from udfs.engine import EngineSpec
@@ -85,6 +86,10 @@ def plan_job(config: JobConfig) -> JobPlan:
             update={"id_column": columns.ROW_ID})})
     plan = scan_input(config.input.path, config.input.format, config.resources.batch_size,
                       config.input.id_column, resolved)
+    block_rows = plan_block_rows(plan.num_rows, config.resources.batch_size)
+    if block_rows < config.resources.batch_size:  # a small table: scanned again, in moments
+        plan = scan_input(config.input.path, config.input.format, block_rows,
+                          config.input.id_column, resolved)
     if earlier is not None:
         plan.schema = _name_apart(plan.schema, earlier, config)
     check_output_apart(config.input.path, plan, output)

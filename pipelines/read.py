@@ -640,6 +640,29 @@ def read_ahead_bytes(plan: InputPlan, per_block: int, slots: int) -> int:
     return max(READ_AHEAD_MIN, int(per_row * per_block * READ_AHEAD_BLOCKS * max(slots, 1)))
 
 
+PARTS_AT_LEAST = 16  # a table's plan blocks, at least (each is committed as it is done)
+BLOCK_ROWS_AT_LEAST = 8  # ... unless that would make blocks smaller than this
+
+
+def plan_block_rows(rows: int, batch_size: int) -> int:
+    """The rows of the plan's blocks: ``resources.batch_size``, or fewer in a table too
+    small to have ``PARTS_AT_LEAST`` blocks of it. A block is the unit the writer commits: a
+    400-row table in blocks of 256 rows committed nothing until its last row was done (a kill
+    at 90% lost every row, and the progress line said 0 written the whole run). The engine
+    holds as many rows at once as before (``blocks_at_once``), so only the parts are smaller;
+    a large table keeps ``batch_size``, and so no more parts than before."""
+    return min(batch_size, max(BLOCK_ROWS_AT_LEAST, -(-rows // PARTS_AT_LEAST)))
+
+
+def blocks_at_once(blocks_in_flight: int, batch_size: int, block_rows: int,
+                   blocks: int) -> int:
+    """The plan blocks an engine holds at once: ``resources.blocks_in_flight`` blocks of
+    ``batch_size`` rows' worth, whatever the plan's block (``plan_block_rows``), and no more
+    than the job has."""
+    scaled = blocks_in_flight * -(-batch_size // max(block_rows, 1))
+    return max(blocks_in_flight, min(scaled, blocks))
+
+
 def ray_block_rows(rows: int, block_rows: int, slots: int) -> int:
     """The rows of a Ray Data block, a whole number of the plan's blocks.
 

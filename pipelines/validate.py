@@ -38,7 +38,9 @@ class ValidationReport:
     def lines(self) -> list[str]:
         p = self.plan
         out = [f"input: {len(p.input.files)} {p.input.format} file(s), {self.rows} rows, "
-               f"{len(p.input.blocks)} blocks of up to {p.config.resources.batch_size}",
+               f"{len(p.input.blocks)} blocks of up to "
+               f"{max((b.num_rows for b in p.input.blocks), default=0)} rows, each committed "
+               "as it is done",
                f"model: {p.config.model.name} (max_model_len {p.render.max_model_len}, "
                + (f"task {p.config.task})" if p.pooling else
                   f"max_tokens {p.render.max_tokens})")]
