@@ -65,6 +65,11 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     values = {column: _merged([f["values"][column] for f in stats])
               for column in (columns.PROMPT_TOKENS, columns.COMPLETION_TOKENS)}
     summary = record.get("summary") or {}
+    steps = _steps(stats)
+    # rows a step dropped, written with output.keep_dropped: not ok (a step's skipped rows
+    # are dropped rows too, counted once)
+    kept_dropped = (sum(s["dropped"] for s in steps)
+                    if steps and (config.get("output") or {}).get("keep_dropped") else 0)
     report = {
         "output": str(output),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -75,7 +80,8 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
                   "engine": config.get("engine")},
         "sampling": config.get("sampling"),
         "rows": {"input": record.get("rows_total"), "output": rows,
-                 "ok": rows - failed - skipped, "skipped": skipped,
+                 "ok": rows - failed - max(skipped, kept_dropped), "skipped": skipped,
+                 "dropped": kept_dropped,
                  "errors": failed, "resumed": summary.get("rows_resumed", 0),
                  "errors_by_kind": errors},
         "files": {"count": len(stats), "largest_rows": max((f["rows"] for f in stats),
@@ -85,7 +91,6 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
         "histogram": {"output_tokens": _histogram(values[columns.COMPLETION_TOKENS])},
         "recovery": summary.get("recovery") or {},
     }
-    steps = _steps(stats)
     if steps:  # a job with steps: each step's rows in and out, dropped, errors, tokens, time
         report["steps"] = steps
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
@@ -312,7 +317,9 @@ def report_lines(report: dict) -> list[str]:
     lines = [f"run report   {report['output']}  (model {model.get('name')}, fingerprint "
              f"{report.get('fingerprint')})",
              f"rows         {rows['input']} in -> {rows['output']} out: {rows['ok']} ok, "
-             f"{rows['skipped']} skipped, {rows['errors']} with errors"
+             f"{rows['skipped']} skipped, "
+             + (f"{rows['dropped']} dropped (kept), " if rows.get("dropped") else "")
+             + f"{rows['errors']} with errors"
              + (f" ({rows['resumed']} from an earlier run)" if rows.get("resumed") else "")]
     for kind, e in rows["errors_by_kind"].items():
         lines.append(f"  {kind:<11}{e['count']}  e.g. {', '.join(map(str, e['examples']))}")

@@ -8,8 +8,10 @@ not hours into the job), and its structured output must be usable. Each step bec
 
 Filters are polars SQL expressions (``pl.sql_expr``): SQL's small language of comparisons,
 AND/OR/NOT, IN, LIKE, arithmetic and functions such as ``length``, which users know; polars
-evaluates it vectorized over a block, and it reads a struct's field by a dot
-(``judge.score >= 4``). A row's values are data it reads, never code it runs.
+evaluates it vectorized over a block, on the columns it names only, and it reads a struct's
+field by a dot (``judge.score >= 4``). A row's values are data it reads, never code it runs.
+A row whose values the filter cannot be evaluated on (``CAST(rating AS INTEGER)`` over a
+rating of "good") is kept with that error (``filter_error``), not dropped: the job goes on.
 """
 
 from __future__ import annotations
@@ -104,16 +106,36 @@ def _check_where(expression: str, fields: dict, where: str) -> None:
     if missing:
         raise InputError(f"{where}: where uses {missing[0]!r}, which is not a column of the "
                          f"input or of an earlier step; it can use: {', '.join(fields)}")
+    unreadable = next((n for n in names if _polars_cannot_hold(fields[n])), None)
+    if unreadable is not None:
+        raise InputError(f"{where}: where uses {unreadable!r}, a {fields[unreadable]} column, "
+                         "which the filter (polars) cannot read; write it as decimal128 (up "
+                         "to 38 digits), a float or a string")
     empty = pl.from_arrow(pa.schema([(n, fields[n]) for n in names]).empty_table()) \
         if names else pl.DataFrame()
     try:
         kind = empty.select(expr).to_series().dtype if names else None
-    except Exception as exc:  # a type error: "judge > 4" on a struct, say
+    except (Exception, pl.exceptions.PanicException) as exc:  # a type error: "judge > 4"
+        # on a struct, say
         raise ConfigError(f"{where}: where {expression!r} cannot be evaluated on these "
                           f"columns: {_one_line(exc)}") from None
     if kind is not None and kind != pl.Boolean:
         raise ConfigError(f"{where}: where {expression!r} is a {kind}, not a condition "
                           "(true or false for each row)")
+
+
+def _polars_cannot_hold(type_: pa.DataType) -> bool:
+    """A type polars panics on (its Arrow import has no 256-bit decimal), at any depth."""
+    if pa.types.is_decimal256(type_):
+        return True
+    if pa.types.is_struct(type_):
+        return any(_polars_cannot_hold(f.type) for f in type_)
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_) or \
+            pa.types.is_fixed_size_list(type_):
+        return _polars_cannot_hold(type_.value_type)
+    if pa.types.is_map(type_):
+        return _polars_cannot_hold(type_.key_type) or _polars_cannot_hold(type_.item_type)
+    return False
 
 
 def _one_line(exc: BaseException) -> str:

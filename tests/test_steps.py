@@ -157,6 +157,11 @@ def test_filters_keep_exactly_the_rows_their_condition_selects(filtered):
     assert steps["keep"]["dropped"] == first.filter(pl.col("dropped_by") == "keep").height
     assert steps["pitch"]["rows_out"] == passed.height
     assert summary.input_rows == ROWS
+    # the dropped rows written (keep_dropped) are counted apart, not as ok
+    rows = summary.report["rows"]
+    assert rows["dropped"] == out.filter(pl.col("dropped_by").is_not_null()).height > 0
+    assert rows["ok"] == out.filter(pl.col("dropped_by").is_null()
+                                    & pl.col("error").is_null()).height
 
 
 RESUME_STEPS = [

@@ -46,6 +46,7 @@ class ErrorKind:
     ENGINE_CRASH = "engine_crash"  # engines died whenever this row reached them
     OVERRIDES = "invalid_overrides"  # the row's sampling overrides (overrides_column) are bad
     PARSE = "parse_error"  # structured output did not parse or validate (e.g. cut off)
+    FILTER = "filter_error"  # a step's where cannot be evaluated on this row's values
 
 
 class FinishReason:

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from udfs import columns
-from udfs.columns import FinishReason
+from udfs.columns import ErrorKind, FinishReason
 from udfs.engine import EngineSpec
 from udfs.parsers import OutputParser, StructuredSpec
 from udfs.predictor import Predictor, SamplingSpec, release_free_memory
@@ -71,14 +71,38 @@ class StepSpec:
     fan_out: bool = False  # adds C_index (explode, or n > 1)
 
 
-def where_mask(table: pa.Table, expression: str) -> list[bool]:
-    """The rows for which ``expression`` (polars SQL) holds; null counts as not."""
+def where_mask(table: pa.Table, expression: str) -> tuple[list[bool], dict[int, str]]:
+    """The rows for which ``expression`` (polars SQL) holds, null counting as not; and the
+    rows it cannot be evaluated on (``CAST(rating AS INTEGER)`` over a rating of "good"), by
+    position, with why: each such row's own error, never the block's. Polars is handed only
+    the columns the filter names: a column it cannot hold elsewhere in the row (decimal256)
+    is none of its business."""
     import polars as pl
 
-    frame = pl.from_arrow(table)
+    expr = pl.sql_expr(expression).fill_null(False)
+    part = table.select(list(dict.fromkeys(expr.meta.root_names())))
+    try:
+        return _holds(part, expr, table.num_rows), {}
+    except (Exception, pl.exceptions.PanicException):  # noqa: BLE001 - some row's value
+        pass
+    keep, failed = [], {}
+    for i in range(table.num_rows):  # row by row, to find which
+        try:
+            keep.extend(_holds(part.slice(i, 1), expr, 1))
+        except (Exception, pl.exceptions.PanicException) as exc:  # noqa: BLE001
+            keep.append(False)
+            failed[i] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return keep, failed
+
+
+def _holds(part: pa.Table, expr, rows: int) -> list[bool]:
+    import polars as pl
+
+    frame = pl.from_arrow(part) if part.num_columns else pl.DataFrame()
     if not isinstance(frame, pl.DataFrame):  # a table of one column may come back a Series
         frame = frame.to_frame()
-    return frame.select(pl.sql_expr(expression).fill_null(False)).to_series().to_list()
+    values = frame.select(expr).to_series().to_list()
+    return values * rows if len(values) == 1 and rows != 1 else values  # a constant filter
 
 
 class StepsPredictor:
@@ -135,12 +159,20 @@ class StepsPredictor:
             if kind is None and dropped is None]
         count = {"rows_in": len(live), "dropped": 0, "errors": 0, "rows_out": len(live),
                  "prompt_tokens": 0, "completion_tokens": 0}
+        failed: dict[int, str] = {}
         if step.where is not None and live:
-            keep = where_mask(_public(_take(state, live)), step.where)
-            dropped = [i for i, ok in zip(live, keep) if not ok]
+            keep, failed = where_mask(_public(_take(state, live)), step.where)
+            # a row the filter cannot be evaluated on is kept, with its error
+            unfit = [live[k] for k in failed]
+            state = _set(state, _KIND, unfit, ErrorKind.FILTER)
+            state = _set_each(state, _ERROR, unfit, [
+                f"step {step.name}: where {step.where!r} cannot be evaluated on this row: "
+                f"{why}" for why in failed.values()])
+            dropped = [i for k, (i, ok) in enumerate(zip(live, keep))
+                       if not ok and k not in failed]
             state = _set(state, _DROPPED_BY, dropped, step.name)
             live = [i for i, ok in zip(live, keep) if ok]
-            count["dropped"] = len(dropped)
+            count["dropped"], count["errors"] = len(dropped), len(failed)
         if step.column is None:  # a filter step
             count["rows_out"] = len(live)
             return state, count
@@ -156,7 +188,10 @@ class StepsPredictor:
         order = pc.sort_indices(merged.column(_SEQ))  # a stable sort: fan-out stays in order
         merged = merged.take(order)
         if step.fan_out:  # C_index: a row's place among its rows; null where it did not run
-            ran = pa.array([True] * done.num_rows + [False] * idle.num_rows).take(order)
+            # or the step dropped it (an empty array exploded, a prompt skipped): no element
+            ran = pa.concat_arrays([pc.is_null(done.column(_DROPPED_BY)).combine_chunks(),
+                                    pa.array([False] * idle.num_rows, pa.bool_())]
+                                   ).take(order)
             index = pc.if_else(ran, _positions(merged.column(_SEQ)), pa.scalar(None, pa.int32()))
             merged = merged.append_column(columns.step_column(step.column, "index"), index)
             # each of a row's new rows seeds its next steps apart
@@ -166,6 +201,7 @@ class StepsPredictor:
         merged = merged.drop_columns([_SEQ])
         done_counts = _done_counts(done, step)
         count["dropped"] += done_counts.pop("dropped")
+        count["errors"] += done_counts.pop("errors")
         count.update(done_counts)
         return merged, count
 
@@ -278,6 +314,15 @@ def _set(table: pa.Table, name: str, rows: list[int], value) -> pa.Table:
     return _replace(table, name, pa.array(values, table.schema.field(name).type))
 
 
+def _set_each(table: pa.Table, name: str, rows: list[int], values: list) -> pa.Table:
+    if not rows:
+        return table
+    column = table.column(name).to_pylist()
+    for i, value in zip(rows, values):
+        column[i] = value
+    return _replace(table, name, pa.array(column, table.schema.field(name).type))
+
+
 def _replace(table: pa.Table, name: str, values) -> pa.Table:
     return table.set_column(table.schema.get_field_index(name), name, values)
 
@@ -294,7 +339,9 @@ def _positions(seq: pa.ChunkedArray) -> pa.Array:
 
 def _explode(out: pa.Table, column: str, kinds: list, errors: list, step: str):
     """One row per element of each row's array (the step's column); a row whose output did
-    not parse stays one row, with its error; a row whose array is empty is dropped."""
+    not parse stays one row, with its error. A row whose array is empty explodes into no
+    rows: it is dropped by the step, as a filter drops a row (kept in the block, marked, its
+    value and C_index null; written only with output.keep_dropped, with dropped_by)."""
     values = out.column(column)
     lengths = pc.fill_null(pc.list_value_length(values), 0).to_pylist()
     take, items, new_kinds, new_errors, dropped = [], [], [], [], []
