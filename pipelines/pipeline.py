@@ -187,7 +187,15 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     """Run a job to completion (or resume it) and commit its output. Raises JobError.
 
     With ``retry_errors``, only the rows of the committed output whose ``error`` is set run
-    again, and their new results replace the old ones."""
+    again, and their new results replace the old ones. The output is this run's alone from
+    start to end: a second run of it at once is refused in one line."""
+    with OutputStore(config.output.path).locked():
+        return _run_job(config, overwrite=overwrite, retry_errors=retry_errors,
+                        progress=progress, verbose=verbose)
+
+
+def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
+             progress: Progress | None, verbose: bool) -> RunSummary:
     started = time.time()
     if retry_errors and config.steps is not None:
         raise JobError("--retry-errors does not apply to a job with steps yet (a row's steps "

@@ -14,6 +14,7 @@ the output directory.
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import io
 import os
@@ -200,6 +201,25 @@ class Location:
         """Local only: an atomic rename."""
         assert self.local and dest.local
         os.rename(self.path, dest.path)
+
+
+def hold_lock(path: str | Path):
+    """An exclusive ``flock`` on the file at ``path`` (made, with its folder, if missing),
+    held while the handle returned is open and released by the kernel however the process
+    ends; None and the holder's pid (as it wrote it) when another process holds it."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        return None, holder
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle, None
 
 
 def _write_local(path: Path, write) -> None:

@@ -43,6 +43,7 @@ import os
 import re
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
-from pipelines.storage import Location, scrub_record
+from pipelines.storage import Location, hold_lock, scrub_record
 from udfs import columns
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
@@ -497,6 +498,29 @@ class OutputStore:
         self.record = self.path.sibling(".overnight.json")
         # after open(): the rows still to run of blocks an interrupted run wrote in part
         self.remaining: dict[int, list[int]] = {}
+
+    @contextmanager
+    def locked(self):
+        """This output, for this process alone while the block runs: a second run of a job
+        writing here is refused in one line (two at once would write the same parts and
+        commit over each other). A local output's lock is ``OUTPUT.overnight.lock`` beside
+        it; an object store has no lock to take (say so in the docs)."""
+        if not self.path.local:
+            yield
+            return
+        try:
+            handle, holder = hold_lock(self.path.sibling(".overnight.lock").path)
+        except OSError as exc:  # a folder this user cannot write
+            raise OutputError(f"output.path {str(self.path)!r}: cannot write there: "
+                              f"{' '.join(str(exc).split())[:300]}") from None
+        if handle is None:
+            raise OutputError(f"output.path {str(self.path)!r} is being written by another "
+                              f"overnight run (pid {holder}); wait for it to end, or choose "
+                              "another output.path")
+        try:
+            yield
+        finally:
+            handle.close()
 
     def read_record(self) -> dict | None:
         try:

@@ -163,6 +163,22 @@ def test_existing_output_is_not_overwritten(job_file, tmp_path):
     assert_one_line_error(overnight("run", job_file()), "already exists", "--overwrite")
 
 
+def test_a_second_run_of_the_same_output_is_refused_in_one_line(job_file, tmp_path):
+    """Two `overnight run`s of one job at once would write the same parts and commit over
+    each other: the second is refused while the first holds the output."""
+    import os
+
+    from pipelines.storage import hold_lock
+
+    handle, _ = hold_lock(tmp_path / "out.overnight.lock")  # as a running job holds it
+    try:
+        assert_one_line_error(overnight("run", job_file()), "is being written by another "
+                              f"overnight run (pid {os.getpid()})", "choose another")
+    finally:
+        handle.close()
+    assert not (tmp_path / "out.partial").exists()
+
+
 def test_debug_shows_the_traceback(job_file):
     result = overnight("--debug", "validate", job_file(sampling={"max_tokenz": 3}))
     assert result.returncode != 0 and "Traceback" in result.stderr
