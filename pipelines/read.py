@@ -210,8 +210,9 @@ def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None,
     scan = _scan_parquet if fmt == "parquet" else _scan_jsonl
     schemas, blocks, ids = [], [], IdDigest() if id_column else None
     ordinal = data_bytes = 0
+    big_ints: dict = {}  # JSONL: (file, column) -> (an integer past 2^53, its line)
     for file in files:
-        schema, file_blocks, size = scan(file, ordinal, block_rows, id_column, ids)
+        schema, file_blocks, size = scan(file, ordinal, block_rows, id_column, ids, big_ints)
         if schema is not None:
             schemas.append((file, schema))
         blocks.extend(file_blocks)
@@ -219,7 +220,7 @@ def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None,
         ordinal += sum(b.num_rows for b in file_blocks)
     if ordinal == 0:
         raise InputError(f"input.path {redact(path)!r}: the input has no rows")
-    schema = _as_json_text(_unify(schemas, fmt))
+    schema = _as_json_text(_unify(schemas, fmt, big_ints))
     for name in schema.names:
         if name.startswith(columns.INTERNAL_PREFIX):
             raise InputError(f"column {name!r}: names starting with "
@@ -228,35 +229,116 @@ def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None,
                      ids=ids, data_bytes=data_bytes)
 
 
-def _unify(schemas: list[tuple[Location, pa.Schema]], fmt: str) -> pa.Schema:
-    unified = schemas[0][1]
-    for file, schema in schemas[1:]:
+def _unify(schemas: list[tuple[Location, pa.Schema]], fmt: str,
+           big_ints: dict | None = None) -> pa.Schema:
+    """One schema for the files of an input. The policy, for a column whose type differs
+    between files:
+
+    - a dictionary-encoded column (a polars or pandas categorical) is read as its values'
+      type, so it meets plain strings as strings;
+    - types widen as Arrow's permissive promotion widens them (int32 -> int64, float32 ->
+      float64, string -> large_string, a struct's fields merged, a column missing from a file
+      null there), but only where no value changes: each file's values are checked against
+      the widened type (``_check_lossless``): integers against the widened integer's range
+      (uint64 past 2^63 does not fit int64), integers past 2^53 against a float, a decimal
+      against a float (at most 15 digits survive one), against a wider decimal or an integer
+      (its digits and scale kept); a JSONL integer past 2^53 against a float under the same
+      key, in any file or line (``_note_big_ints``);
+    - anything else is refused, in one line naming the column and two files that disagree.
+    """
+    plain = [(file, _plain_types(schema)) for file, schema in schemas]
+    unified = plain[0][1]
+    for file, schema in plain[1:]:
         try:
             unified = pa.unify_schemas([unified, schema], promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise InputError(f"{file}: its columns do not match the other files: {exc}") from None
-    if fmt == "parquet":  # a JSONL file's values were checked as they were parsed
-        for file, schema in schemas:
-            _check_lossless(file, schema, unified)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+            name = next((f.name for f in schema if f.name in unified.names
+                         and f.type != unified.field(f.name).type), None)
+            if name is None:
+                raise InputError(f"{file}: its columns do not match the other files: "
+                                 f"{' '.join(str(exc).split())}") from None
+            other = next(f for f, sch in plain if name in sch.names
+                         and sch.field(name).type != schema.field(name).type)
+            raise InputError(f"column {name!r} is {schema.field(name).type} in {file} but "
+                             f"{_type_in(plain, other, name)} in {other}, which have no "
+                             "common type; give it one type in every file") from None
+    for (shown, name), (value, lineno) in (big_ints or {}).items():
+        if pa.types.is_floating(unified.field(name).type):  # JSONL: within a file too
+            other = next((f for f, sch in plain if name in sch.names
+                          and pa.types.is_floating(sch.field(name).type)), shown)
+            where = "on another line" if str(other) == shown else f"in {other}"
+            raise InputError(f"{shown}:{lineno}: column {name!r} holds the integer {value}, "
+                             f"but is a float {where}, which would round it; write it as a "
+                             "string, or give the column one type throughout")
+    if fmt == "parquet":  # a JSONL file's other values were checked as they were parsed
+        for file, schema in plain:
+            for fld in schema:
+                target = unified.field(fld.name).type
+                if fld.type != target:
+                    other = next((f for f, sch in plain if fld.name in sch.names
+                                  and sch.field(fld.name).type != fld.type), file)
+                    _check_lossless(file, fld, target, other)
     return unified
 
 
+def _type_in(plain: list, file, name: str) -> pa.DataType:
+    return next(sch.field(name).type for f, sch in plain if f == file)
+
+
+def _plain_types(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with each dictionary-encoded column as its values' type."""
+    return pa.schema([fld.with_type(fld.type.value_type) if pa.types.is_dictionary(fld.type)
+                      else fld for fld in schema], metadata=schema.metadata)
+
+
 MAX_EXACT_FLOAT = 2 ** 53  # integers beyond it do not survive a float64
+FLOAT_DIGITS = 15  # decimal digits any float64 keeps (DBL_DIG)
 
 
-def _check_lossless(file: Location, schema: pa.Schema, unified: pa.Schema) -> None:
-    """An integer column that is float in another file becomes float64: refuse it when this
-    file's integers would not survive that (by the Parquet statistics, else by reading it)."""
-    for fld in schema:
-        target = unified.field(fld.name).type
-        if not (pa.types.is_integer(fld.type) and pa.types.is_floating(target)):
-            continue
-        extremes = pc.min_max(_parquet(file).read(columns=[fld.name]).column(0)).as_py()
-        biggest = max((abs(v) for v in extremes.values() if v is not None), default=0)
-        if biggest > MAX_EXACT_FLOAT:
-            raise InputError(f"{file}: column {fld.name!r} holds integers up to {biggest}, "
-                             f"but is {target} in another file, which would round them; "
-                             "give it one type in every file")
+def _check_lossless(file: Location, fld: pa.Field, target: pa.DataType, other) -> None:
+    """InputError, in one line naming the column and both files, where this Parquet file's
+    values of column ``fld`` would change as ``target``, the type another file (``other``)
+    gives it; an integer column's extremes are read for it."""
+    source, name = fld.type, fld.name
+
+    def refuse(what: str):
+        raise InputError(f"column {name!r} is {source} in {file} but {target} in the input "
+                         f"as a whole (from {other}): {what}; give it one type in every file")
+    if pa.types.is_integer(source) and (pa.types.is_integer(target)
+                                        or pa.types.is_floating(target)
+                                        or pa.types.is_decimal(target)):
+        low, high = _extremes(file, name)
+        if low is None:
+            return
+        if pa.types.is_integer(target):
+            info = _int_range(target)
+            if low < info[0] or high > info[1]:
+                refuse(f"it holds {high if high > info[1] else low}, which {target} cannot")
+        elif pa.types.is_floating(target):
+            biggest = max(abs(low), abs(high))
+            if biggest > MAX_EXACT_FLOAT:
+                refuse(f"it holds integers up to {biggest}, which a float would round")
+        elif len(str(max(abs(low), abs(high)))) > target.precision - target.scale:
+            refuse(f"it holds {max(abs(low), abs(high))}, which {target} cannot")
+    elif pa.types.is_decimal(source):
+        if pa.types.is_floating(target):
+            if source.precision > FLOAT_DIGITS:
+                refuse(f"a float keeps {FLOAT_DIGITS} digits, not {source.precision}")
+        elif not (pa.types.is_decimal(target) and target.scale >= source.scale
+                  and target.precision - target.scale >= source.precision - source.scale):
+            refuse("its digits would not all survive")
+
+
+def _extremes(file: Location, name: str) -> tuple:
+    extremes = pc.min_max(_parquet(file).read(columns=[name]).column(0)).as_py()
+    return extremes["min"], extremes["max"]
+
+
+def _int_range(type_: pa.DataType) -> tuple[int, int]:
+    bits = type_.bit_width
+    if pa.types.is_unsigned_integer(type_):
+        return 0, 2 ** bits - 1
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
 
 JSON_TEXT = {b"overnight.json_text": b"1"}  # field metadata: values kept as JSON text
@@ -281,7 +363,7 @@ def _has_empty_struct(type_: pa.DataType) -> bool:
     return False
 
 
-def _scan_parquet(file, ordinal, block_rows, id_column, ids):
+def _scan_parquet(file, ordinal, block_rows, id_column, ids, big_ints):
     try:
         meta = _parquet(file)
         num_rows = meta.metadata.num_rows
@@ -302,7 +384,10 @@ def _scan_parquet(file, ordinal, block_rows, id_column, ids):
     return schema, blocks, size
 
 
-def _scan_jsonl(file, ordinal, block_rows, id_column, ids):
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows tools write at a file's start
+
+
+def _scan_jsonl(file, ordinal, block_rows, id_column, ids, big_ints):
     blocks, schema, rows, lines = [], None, [], []
     block_start_offset, offset = 0, 0
     first = ordinal
@@ -312,7 +397,8 @@ def _scan_jsonl(file, ordinal, block_rows, id_column, ids):
         raise InputError(f"{file}: cannot open: {exc.strerror or exc}") from None
     with handle:
         for lineno, raw in enumerate(handle, start=1):
-            row = _parse_jsonl_line(raw, file, lineno)
+            row = _parse_jsonl_line(raw.removeprefix(BOM) if lineno == 1 else raw, file,
+                                    lineno)
             offset += len(raw)
             if row is None:
                 continue
@@ -321,14 +407,14 @@ def _scan_jsonl(file, ordinal, block_rows, id_column, ids):
             if len(rows) == block_rows:
                 if id_column is not None:
                     ids.add([r.get(id_column) for r in rows])
-                schema = _merge_schema(schema, rows, file, lines)
+                schema = _merge_schema(schema, rows, file, lines, big_ints)
                 blocks.append(Block(file, "jsonl", first, len(rows), block_start_offset))
                 first += len(rows)
                 rows, lines, block_start_offset = [], [], offset
         if rows:
             if id_column is not None:
                 ids.add([r.get(id_column) for r in rows])
-            schema = _merge_schema(schema, rows, file, lines)
+            schema = _merge_schema(schema, rows, file, lines, big_ints)
             blocks.append(Block(file, "jsonl", first, len(rows), block_start_offset))
     return schema, blocks, offset
 
@@ -375,8 +461,10 @@ def _parse_jsonl_line(raw: bytes, file: str, lineno: int) -> dict | None:
     return row
 
 
-def _merge_schema(schema, rows, file, lines):
-    block_schema = _rows_schema(rows, file, lines)
+def _merge_schema(schema, rows, file, lines, big_ints):
+    values = _rows_array(rows, file, lines)
+    block_schema = pa.schema(values.type)
+    _note_big_ints(values, file, lines, big_ints)
     if schema is None:
         return block_schema
     try:
@@ -386,11 +474,24 @@ def _merge_schema(schema, rows, file, lines):
                          f"{' '.join(str(exc).split())}") from None
 
 
-def _rows_schema(rows: list[dict], file, lines: list[int]) -> pa.Schema:
-    """The columns of every row (not only the first row's: sparse keys are the norm), and
-    their types; a value Arrow cannot hold is named with its line."""
+def _note_big_ints(values: pa.StructArray, file, lines: list[int], big_ints: dict) -> None:
+    """The first integer past 2^53 of each integer column of a block, with its line, unless
+    one is noted already: a float under the same key elsewhere would round it (_unify)."""
+    for i, fld in enumerate(values.type):
+        if not pa.types.is_integer(fld.type) or (str(file), fld.name) in big_ints:
+            continue
+        column = pc.abs(values.field(i))
+        big = pc.indices_nonzero(pc.fill_null(pc.greater(column, MAX_EXACT_FLOAT), False))
+        if len(big):
+            at = big[0].as_py()
+            big_ints[(str(file), fld.name)] = (values.field(i)[at].as_py(), lines[at])
+
+
+def _rows_array(rows: list[dict], file, lines: list[int]) -> pa.StructArray:
+    """The rows as Arrow values: the columns of every row (not only the first row's: sparse
+    keys are the norm), and their types; a value Arrow cannot hold is named with its line."""
     try:
-        return pa.schema(pa.array(rows).type)
+        return pa.array(rows)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError) as exc:
         for row, lineno in zip(rows, lines):
             for key, value in row.items():
@@ -555,12 +656,15 @@ def _parquet_blocks(unit: ReadUnit) -> Iterator[pa.Table]:
 def _jsonl_blocks(unit: ReadUnit) -> Iterator[list[dict]]:
     with unit.blocks[0].path.open() as handle:
         handle.seek(unit.blocks[0].offset)
+        start = unit.blocks[0].offset == 0  # the file's first line: a BOM may lead it
         for block in unit.blocks:
             rows = []
             while len(rows) < block.num_rows:
                 raw = handle.readline()
                 if not raw:
                     break
+                if start:
+                    raw, start = raw.removeprefix(BOM), False
                 if not _blank(raw):
                     rows.append(_loads(raw))
             yield rows

@@ -198,3 +198,82 @@ def test_a_filter_on_a_column_polars_cannot_read_is_refused_by_validate(job_file
     code, _, err = cli("validate", path, capsys=capsys)
     assert code == 2
     one_line_error(err, "steps[0] (cheap): where uses 'price', a decimal256(40, 1) column")
+
+
+# -- 10, 14, 15: one schema for the files of an input
+
+
+def parquet(path, **columns):
+    pq.write_table(pa.table(columns), path)
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("decimal_and_float", ["column 'price' is decimal128(20, 4) in", "a.parquet but double",
+                           "b.parquet", "a float keeps 15 digits, not 20"]),
+    ("uint64_past_int64", ["column 'n' is uint64 in", "a.parquet but int64", "b.parquet",
+                           "it holds 9223372036854775813, which int64 cannot"]),
+    ("jsonl_big_int_and_float", ["a.jsonl:2: column 'n' holds the integer 9007199254740993",
+                                 "but is a float in", "b.jsonl"]),
+    ("int_and_string", ["column 'n' is string in", "b.parquet but int64 in", "a.parquet",
+                        "no common type"]),
+])
+def test_types_that_would_lose_values_across_files_are_refused_in_one_line(
+        job_file, capsys, case, needles):
+    import decimal
+
+    _, data, write = job_file
+    title = {"title": ["Lamp"]}
+    if case == "decimal_and_float":
+        parquet(data / "a.parquet", **title, price=pa.array(
+            [decimal.Decimal("12345678901234.5678")], pa.decimal128(20, 4)))
+        parquet(data / "b.parquet", **title, price=[1.5])
+    elif case == "uint64_past_int64":
+        parquet(data / "a.parquet", **title, n=pa.array([2 ** 63 + 5], pa.uint64()))
+        parquet(data / "b.parquet", **title, n=pa.array([-1], pa.int64()))
+    elif case == "int_and_string":
+        parquet(data / "a.parquet", **title, n=[1])
+        parquet(data / "b.parquet", **title, n=["one"])
+    else:
+        write_jsonl(data / "a.jsonl", [{"title": "Lamp", "n": 1},
+                                       {"title": "Desk", "n": 2 ** 53 + 1}])
+        write_jsonl(data / "b.jsonl", [{"title": "Chair", "n": 1.5}])
+    code, _, err = cli("validate", write(prompt={"template": "{{ title }}"}), capsys=capsys)
+    assert code == 2
+    one_line_error(err, *needles)
+
+
+def test_types_that_widen_without_loss_are_read_across_files(job_file, capsys):
+    """A categorical (dictionary-encoded) column meets plain strings as strings; a uint64
+    within int64's range, a float32 and a decimal of few digits widen; a JSONL file may
+    start with a UTF-8 BOM."""
+    import decimal
+
+    import polars as pl
+
+    from pipelines.read import read_block, scan_input
+
+    _, data, write = job_file
+    pl.DataFrame({"title": ["Lamp", "Desk"], "n": [1, 2]}).with_columns(
+        pl.col("title").cast(pl.Categorical), pl.col("n").cast(pl.UInt64)
+    ).with_columns(small=pl.Series([0.5, 0.25], dtype=pl.Float32),
+                   price=pl.Series([decimal.Decimal("12.34")] * 2,
+                                   dtype=pl.Decimal(8, 2))).write_parquet(data / "a.parquet")
+    parquet(data / "b.parquet", title=["Chair"], n=pa.array([-1], pa.int64()), small=[0.1],
+            price=[1.5])
+    code, out, err = cli("validate", write(prompt={"template": "{{ title }} {{ n }} "
+                                                   "{{ price }}"}), capsys=capsys)
+    assert code == 0, err
+    assert "input: 2 parquet file(s), 3 rows" in out and "Chair -1 1.5" in out
+    plan = scan_input(str(data), "auto", 8, None)
+    assert [str(plan.schema.field(c).type) for c in ("title", "n", "small", "price")] == [
+        "string", "int64", "double", "double"]
+    got = [r for b in plan.blocks for r in read_block(b, plan.schema).to_pylist()]
+    assert [(r["title"], r["n"], r["price"]) for r in got] == [
+        ("Lamp", 1, 12.34), ("Desk", 2, 12.34), ("Chair", -1, 1.5)]
+
+    for f in data.iterdir():
+        f.unlink()
+    (data / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"title": "Lamp"}\r\n{"title": "Desk"}\r\n')
+    code, out, err = cli("validate", write(prompt={"template": "{{ title }}"}), capsys=capsys)
+    assert code == 0, err
+    assert "2 rows" in out and "Lamp" in out
