@@ -111,7 +111,8 @@ def plan_job(config: JobConfig) -> JobPlan:
     if config.steps is not None:
         from pipelines.steps import plan_steps
 
-        steps = plan_steps(config, plan.schema, max_model_len, structured_spec)
+        steps = plan_steps(config, plan.schema, max_model_len, structured_spec,
+                           sample=read_block(plan.blocks[0], plan.schema))
         # the first generating step's, for what reads one job's prompt (overnight validate)
         first = next(s for s in config.steps if s.prompt is not None)
         config_prompt, config_sampling = first.prompt, first.sampling

@@ -27,16 +27,20 @@ from udfs.steps import _KEY, _PARSED, StepSpec, step_types
 
 
 def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
-               structured_spec) -> tuple[StepSpec, ...]:
+               structured_spec, sample: pa.Table | None = None) -> tuple[StepSpec, ...]:
     """The steps as specs; ConfigError / InputError naming the step and key on a problem.
     ``structured_spec(section, parsed_column, key)`` is pre-flight's own check of a
-    structured section."""
+    structured section; ``sample``: the input's first block, a filter on source columns is
+    tried on."""
     fields = {f.name: f.type for f in schema if not f.name.startswith(columns.INTERNAL_PREFIX)}
+    source = set(fields)
     specs = []
     for i, step in enumerate(config.steps):
         where = f"steps[{i}] ({step.name})"
         if step.where is not None:
-            _check_where(step.where, fields, where)
+            names = _check_where(step.where, fields, where)
+            if sample is not None and set(names) <= source:
+                _try_where(step.where, sample, where, config.input.id_column)
         if step.prompt is None:
             specs.append(StepSpec(name=step.name, where=step.where))
             continue
@@ -92,7 +96,7 @@ def _check_prompt(step: StepConfig, fields: dict, where: str, config: JobConfig)
                          f"{', '.join(fields)}")
 
 
-def _check_where(expression: str, fields: dict, where: str) -> None:
+def _check_where(expression: str, fields: dict, where: str) -> list[str]:
     """The filter parses, names only columns it can see, and is a condition on them."""
     import polars as pl
 
@@ -122,6 +126,27 @@ def _check_where(expression: str, fields: dict, where: str) -> None:
     if kind is not None and kind != pl.Boolean:
         raise ConfigError(f"{where}: where {expression!r} is a {kind}, not a condition "
                           "(true or false for each row)")
+    return names
+
+
+FILTER_TRIALS = 20  # the most rows of the first block a filter on source columns is tried on
+
+
+def _try_where(expression: str, sample: pa.Table, where: str, id_column: str | None) -> None:
+    """A filter that cannot be evaluated on any row tried (``CAST(rating AS INTEGER)`` where
+    every rating is a word) is the job's mistake, not the rows': say so now, in one line,
+    rather than start an engine and give each row of the table a filter_error. One row it
+    holds or not for, or fewer than 3 tried, and the job goes on."""
+    from udfs.steps import where_mask
+
+    rows = sample.slice(0, FILTER_TRIALS)
+    _, failed = where_mask(rows, expression)
+    if rows.num_rows >= 3 and len(failed) == rows.num_rows:
+        key = id_column if id_column in rows.column_names else columns.ORDINAL
+        first = rows.column(key)[0].as_py()
+        raise ConfigError(f"{where}: where {expression!r} cannot be evaluated on any of the "
+                          f"{rows.num_rows} rows tried (the first block's), e.g. row "
+                          f"{first!r}: {failed[0]}")
 
 
 def _polars_cannot_hold(type_: pa.DataType) -> bool:

@@ -277,3 +277,25 @@ def test_types_that_widen_without_loss_are_read_across_files(job_file, capsys):
     code, out, err = cli("validate", write(prompt={"template": "{{ title }}"}), capsys=capsys)
     assert code == 0, err
     assert "2 rows" in out and "Lamp" in out
+
+
+def test_a_filter_no_row_of_the_first_block_can_be_evaluated_on_is_refused_by_validate(
+        job_file, capsys):
+    _, data, write = job_file
+    write_jsonl(data / "a.jsonl", [{"title": f"T{i}", "rating": "good"} for i in range(4)])
+    path = write()
+    config = yaml.safe_load(path.read_text())
+    del config["prompt"], config["sampling"]
+    config["output"].pop("column")
+    config["steps"] = [{"name": "rated", "where": "CAST(rating AS INTEGER) >= 4"},
+                       {"name": "pitch", "prompt": {"template": "{{ title }}"}}]
+    path.write_text(yaml.safe_dump(config))
+    code, _, err = cli("validate", path, capsys=capsys)
+    assert code == 2
+    one_line_error(err, "steps[0] (rated): where 'CAST(rating AS INTEGER) >= 4' cannot be "
+                   "evaluated on any of the 4 rows tried (the first block's), e.g. row 0: "
+                   "conversion from `str` to `i32` failed")
+    write_jsonl(data / "a.jsonl", [{"title": f"T{i}", "rating": "good" if i else "5"}
+                                   for i in range(4)])
+    code, _, err = cli("validate", path, capsys=capsys)
+    assert code == 0, err  # one row it can be evaluated on: the others are their own errors
