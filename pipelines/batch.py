@@ -40,6 +40,7 @@ from pipelines.errors import ConfigError, InputError, OutputError
 from pipelines.storage import Location, scrub_record
 from pipelines.write import list_parts, write_atomically
 from udfs import columns
+from udfs.logprobs import text_offsets, token_bytes_of
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # Sampling fields a body may set beside temperature, top_p, n, seed and stop: OpenAI's
@@ -163,9 +164,11 @@ def _text_of(content) -> str:
     raise ValueError("message content must be a string or a list of text parts")
 
 
-def parse_request(raw: str, default_max_tokens: int, max_model_len: int) -> dict:
+def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int) -> dict:
     """One line -> one row of the prepared table; raises _Reject (code, message, the line's
-    custom_id when it could be read) if it cannot run."""
+    custom_id when it could be read) if it cannot run. ``default_max_tokens`` None: a request
+    without max_tokens may use the room its prompt leaves (its row's max_tokens is null until
+    ``prepare`` has counted the prompt)."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -180,7 +183,7 @@ def parse_request(raw: str, default_max_tokens: int, max_model_len: int) -> dict
         raise
 
 
-def _parse(data: dict, default_max_tokens: int, max_model_len: int) -> dict:
+def _parse(data: dict, default_max_tokens: int | None, max_model_len: int) -> dict:
     try:
         line = _Line.model_validate(data)
     except ValidationError as err:
@@ -206,11 +209,7 @@ def _parse(data: dict, default_max_tokens: int, max_model_len: int) -> dict:
     if kind == "chat":
         if not body.messages:
             raise _Reject("invalid_body", "body.messages is required for /v1/chat/completions")
-        try:
-            messages = [{"role": str(m["role"]), "content": _text_of(m.get("content"))}
-                        for m in body.messages]
-        except (KeyError, ValueError) as exc:
-            raise _Reject("invalid_body", f"body.messages: {exc}") from None
+        messages = [_message(i, m) for i, m in enumerate(body.messages)]
     else:
         if body.prompt is None or isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise _Reject("invalid_body", "body.prompt must be one string for /v1/completions")
@@ -218,7 +217,7 @@ def _parse(data: dict, default_max_tokens: int, max_model_len: int) -> dict:
     # JSON either way: a list is chat messages, a string a raw prompt (see udfs/prompts.py)
     prompt = json.dumps(messages, ensure_ascii=False)
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
-    if max_tokens >= max_model_len:
+    if max_tokens is not None and max_tokens >= max_model_len:
         raise _Reject("invalid_body", f"max_tokens {max_tokens} leaves no room for a prompt "
                       f"in max_model_len {max_model_len}")
     # every request says whether it wants logprobs (null: no), over the job's default
@@ -232,6 +231,23 @@ def _parse(data: dict, default_max_tokens: int, max_model_len: int) -> dict:
         overrides.update(_response_format(body.response_format))
     return {CUSTOM_ID: line.custom_id, KIND: kind, PROMPT: prompt, MAX_TOKENS: max_tokens,
             OVERRIDES: json.dumps(overrides), MODEL: body.model}
+
+
+def _message(index: int, message: dict) -> dict:
+    """A chat message as the prompt renderer takes it: role and text content. Its other
+    fields (``name``, ``tool_calls``...) would reach no template, so a message that sets one
+    is the request's error, as an unknown body field is, never dropped silently."""
+    where = f"body.messages[{index}]"
+    if "role" not in message:
+        raise _Reject("invalid_body", f"{where}: no 'role'")
+    extra = sorted(set(message) - {"role", "content"})
+    if extra:
+        raise _Reject("invalid_body", f"{where}.{extra[0]}: not supported by overnight, "
+                      "which would have to ignore it; remove it")
+    try:
+        return {"role": str(message["role"]), "content": _text_of(message.get("content"))}
+    except ValueError as exc:
+        raise _Reject("invalid_body", f"{where}: {exc}") from None
 
 
 def _response_format(fmt: dict) -> dict:
@@ -265,10 +281,12 @@ class _Reject(ValueError):
         self.code, self.message, self.custom_id = code, message, None
 
 
-def prepare(requests: Path, work: Path, default_max_tokens: int,
-            max_model_len: int) -> Prepared:
+def prepare(requests: Path, work: Path, default_max_tokens: int | None,
+            max_model_len: int, prompt_lengths=None) -> Prepared:
     """Read the request file once, streaming: runnable requests to Parquet, the rest to the
-    error file (both in line order)."""
+    error file (both in line order). With ``default_max_tokens`` None, a request without
+    max_tokens gets the room its prompt leaves in the context, as the hosted API's and vLLM's
+    defaults: ``prompt_lengths(prompts)`` counts the prompts' tokens (``prompt_counter``)."""
     table, errors = work / "requests.parquet", work / "rejected.jsonl"
     seen: set[str] = set()
     rows: list[dict] = []
@@ -306,18 +324,53 @@ def prepare(requests: Path, work: Path, default_max_tokens: int,
                 seen.add(row[CUSTOM_ID])
                 family = family or _family(row[KIND])
                 rows.append({**row, LINE: number})
-                top = max(top, row[MAX_TOKENS])
+                top = max(top, row[MAX_TOKENS] or 0)
                 count += 1
                 size += len(raw)
                 if len(rows) >= CHUNK or size >= CHUNK_BYTES:
+                    top = max(top, _fill_room(rows, max_model_len, prompt_lengths))
                     writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
                     rows, size = [], 0
         if rows:
+            top = max(top, _fill_room(rows, max_model_len, prompt_lengths))
             writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
     os.replace(tmp_table, table)
     os.replace(work / ".rejected.jsonl.tmp", errors)
-    return Prepared(table, errors, count, rejected, top or default_max_tokens,
+    return Prepared(table, errors, count, rejected, top or default_max_tokens or 1,
                     task="embed" if family == embeddings.KIND else "generate")
+
+
+def _fill_room(rows: list[dict], max_model_len: int, prompt_lengths) -> int:
+    """The rows without max_tokens given the room their prompts leave (at least 1: a prompt
+    that fills the context is then the job's ``prompt_too_long``, in the job's own words);
+    returns the largest of those."""
+    todo = [row for row in rows if row[MAX_TOKENS] is None]
+    if not todo:
+        return 0
+    lengths = prompt_lengths([row[PROMPT] for row in todo])
+    for row, length in zip(todo, lengths):
+        # a prompt the renderer refuses (no length) fails the same way in the job
+        row[MAX_TOKENS] = 1 if length is None else max(1, max_model_len - length)
+    return max(row[MAX_TOKENS] for row in todo)
+
+
+def prompt_counter(model: str, max_model_len: int, trust_remote_code: bool = False):
+    """``prompts -> token counts`` as the job will count them: its own renderer (the
+    prepared table's prompt column through the model's chat template), loaded once."""
+    from udfs.prompts import PromptRenderer, RenderSpec
+
+    renderer = None
+
+    def count(prompts: list[str]) -> list[int | None]:
+        nonlocal renderer
+        if renderer is None:
+            renderer = PromptRenderer(RenderSpec(
+                template=None, tokenizer=model, max_model_len=max_model_len, max_tokens=1,
+                trust_remote_code=trust_remote_code, messages_column=PROMPT))
+        rendered = renderer.render_rows([{PROMPT: p} for p in prompts], [None] * len(prompts))
+        return [length for _, length, *_ in rendered]  # None: the renderer refused it
+
+    return count
 
 
 def _family(kind: str) -> str:
@@ -401,7 +454,7 @@ def _fsync(path: Path) -> None:
 
 
 def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
-                  model: str) -> tuple[int, int]:
+                  model: str, tokenizer: str | None = None) -> tuple[int, int]:
     """The job's parts -> result lines (in input order); failed rows and rejected lines ->
     error lines (in line order), both committed at once (see WRITTEN). Returns (results,
     errors)."""
@@ -414,10 +467,11 @@ def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
     failures = job_output.with_name(job_output.name + ".failed.jsonl")
     ok = failed = 0
     created = int(time.time())
+    token_bytes = token_bytes_of(tokenizer)  # a token's bytes, for the logprobs' byte fields
     with open(staged_ok, "w", encoding="utf-8") as out, open(failures, "w") as fail:
         for part in list_parts(Location.of(job_output))[0]:  # in input order
             for request in _requests(pq.read_table(job_output / part.name)):
-                line = _result_line(request, model, created)
+                line = _result_line(request, model, created, token_bytes)
                 target = out if line["error"] is None else fail
                 target.write(json.dumps(line, ensure_ascii=False) + "\n")
                 ok += line["error"] is None
@@ -449,7 +503,14 @@ def _requests(part: pa.Table):
         yield group
 
 
-def _result_line(samples: list[dict], model: str, created: int) -> dict:
+def served_name(model: str) -> str:
+    """The model name a result says it came from, when none is given: the model
+    directory's own name (a result never shows the server's filesystem), as
+    ``vllm serve --served-model-name`` defaults to the model's name."""
+    return Path(model.rstrip("/")).name or model
+
+
+def _result_line(samples: list[dict], model: str, created: int, token_bytes) -> dict:
     first = samples[0]
     custom_id, line = first[CUSTOM_ID], first[LINE]
     failed = next((s for s in samples if s[columns.ERROR] is not None), None)
@@ -465,7 +526,7 @@ def _result_line(samples: list[dict], model: str, created: int) -> dict:
     chat = first[KIND] == "chat"
     choices = [
         {"index": i, "finish_reason": s[columns.FINISH_REASON],
-         "logprobs": _openai_logprobs(s.get(LOGPROBS), chat),
+         "logprobs": _openai_logprobs(s.get(LOGPROBS), chat, token_bytes),
          **({"message": {"role": "assistant", "content": s["text"]}} if chat
             else {"text": s["text"]})}
         for i, s in enumerate(samples)]
@@ -485,9 +546,12 @@ def _result_line(samples: list[dict], model: str, created: int) -> dict:
 LOGPROBS = "logprobs"  # the job's logprobs column (output.logprobs_column's default)
 
 
-def _openai_logprobs(entries: list[dict] | None, chat: bool) -> dict | None:
+def _openai_logprobs(entries: list[dict] | None, chat: bool, token_bytes) -> dict | None:
     """A sample's logprobs column in the OpenAI shape of its endpoint. -inf (a token the
-    grammar forbids) is -9999.0, as vLLM's server writes it: JSON has no infinity."""
+    grammar forbids) is -9999.0, as vLLM's server writes it: JSON has no infinity. A
+    token's ``bytes`` and ``text_offset`` come from the bytes it stands for
+    (``token_bytes``, udfs/logprobs.py), not from its decoded text: a token that holds part
+    of a UTF-8 character decodes to U+FFFD alone."""
     if entries is None:
         return None
 
@@ -498,14 +562,11 @@ def _openai_logprobs(entries: list[dict] | None, chat: bool) -> dict | None:
         def item(entry: dict) -> dict:
             token = entry["token"] or ""
             return {"token": token, "logprob": floor(entry["logprob"]),
-                    "bytes": list(token.encode("utf-8", errors="replace"))}
+                    "bytes": list(token_bytes(entry.get("token_id"), token))}
 
         return {"content": [{**item(e), "top_logprobs": [item(t) for t in e["top"] or ()]}
                             for e in entries], "refusal": None}
-    offsets, at = [], 0
-    for entry in entries:
-        offsets.append(at)
-        at += len(entry["token"] or "")
+    offsets = text_offsets([token_bytes(e.get("token_id"), e["token"]) for e in entries])
     return {"tokens": [e["token"] or "" for e in entries],
             "token_logprobs": [floor(e["logprob"]) for e in entries],
             "top_logprobs": [{t["token"] or "": floor(t["logprob"]) for t in e["top"] or ()}
@@ -516,8 +577,10 @@ def _openai_logprobs(entries: list[dict] | None, chat: bool) -> dict | None:
 def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
                    errors: str | Path | None = None, config: dict | str | Path | None = None,
                    overrides: list[str] | tuple[str, ...] = (), overwrite: bool = False,
-                   progress=None) -> dict:
-    """Run an OpenAI Batch input file; write the result and error files. Returns counts."""
+                   progress=None, served_model_name: str | None = None) -> dict:
+    """Run an OpenAI Batch input file; write the result and error files. Returns counts.
+    ``served_model_name``: the ``model`` of every result body (default: the model
+    directory's name, ``served_name``)."""
     import yaml
 
     from pipelines.pipeline import run_job
@@ -561,8 +624,12 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
                                "table": work / "requests.parquet",
                                "errors": work / "rejected.jsonl"})
     else:
-        default_max = base.get("sampling", {}).get("max_tokens") or min(1024, max_model_len // 2)
-        prepared = prepare(requests, work, default_max, max_model_len)
+        # a request without max_tokens: the operator's sampling.max_tokens, else the room its
+        # prompt leaves in the context (the hosted API's default, and vLLM's run_batch's)
+        prepared = prepare(requests, work, base.get("sampling", {}).get("max_tokens"),
+                           max_model_len, prompt_counter(
+                               model, max_model_len, model_section.get("trust_remote_code",
+                                                                       False)))
         write_atomically(prepared_record, lambda tmp: tmp.write_text(json.dumps(
             {k: v for k, v in prepared.__dict__.items() if k not in ("table", "errors")})))
         write_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(source)))
@@ -583,7 +650,8 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     if summary is None and ours and not overwrite:  # nothing ran: the files are up to date
         ok, failed = committed["counts"]
     else:
-        ok, failed = write_results(job_output, prepared.errors, results, errors, model)
+        ok, failed = write_results(job_output, prepared.errors, results, errors,
+                                   served_model_name or served_name(model), tokenizer=model)
     return {"requests": prepared.requests + prepared.rejected, "results": ok, "errors": failed,
             "rejected_lines": prepared.rejected, "results_path": str(results),
             "errors_path": str(errors), "summary": summary}

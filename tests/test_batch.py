@@ -10,10 +10,13 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import jsonschema
 import pytest
 
-from pipelines.batch import run_batch_file
+from pipelines.batch import _openai_logprobs, run_batch_file
+from udfs.logprobs import token_bytes_of
 
 from conftest import KV_CACHE
 
@@ -106,7 +109,8 @@ def test_results_in_input_order_and_in_the_batch_output_format(batch, tiny_model
         body, request = response["body"], requests[line["custom_id"]]
         chat_request = request["url"] == "/v1/chat/completions"
         assert body["object"] == ("chat.completion" if chat_request else "text_completion")
-        assert body["model"] == tiny_model and isinstance(body["created"], int)
+        # the served name (the model directory's), never the server's filesystem path
+        assert body["model"] == Path(tiny_model).name and isinstance(body["created"], int)
         n = request["body"].get("n", 1)
         assert [c["index"] for c in body["choices"]] == list(range(n))
         for choice in body["choices"]:
@@ -225,7 +229,7 @@ def test_a_file_is_run_again_for_another_model_and_never_answered_from_old_parts
                            overwrite=True)
     assert again["summary"] is not None  # generated again, not read from the old parts
     lines = [json.loads(line) for line in results.read_text().splitlines()]
-    assert {line["response"]["body"]["model"] for line in lines} == {str(other)}
+    assert {line["response"]["body"]["model"] for line in lines} == {"other-model"}
     typed = next(line for line in lines if line["custom_id"] == "typed")["response"]["body"]
     choice = typed["choices"][0]  # ran (it was refused as invalid_body)
     if choice["finish_reason"] == "stop":  # the random model may run out of tokens first
@@ -253,6 +257,10 @@ UNSUPPORTED = {
                                   top_logprobs=2), "needs body.logprobs: true"),
     "tools": (chat("tools", "hi", max_tokens=4, tools=[{"type": "function"}]),
               "body.tools: not supported"),
+    # a message field no template would see is refused, as an unknown body field is
+    "named": ({**chat("named", "hi", max_tokens=4), "body": {"messages": [
+        {"role": "user", "content": "hi", "name": "ann"}], "max_tokens": 4}},
+              "body.messages[0].name: not supported"),
 }
 BOX = {"type": "json_schema", "json_schema": {"name": "k", "schema": {
     "type": "object", "properties": {"k": {"enum": ["x"]}}, "required": ["k"],
@@ -277,6 +285,7 @@ def scored_batch(tiny_model, ray_cluster, tmp_path_factory, llm):
              chat("json-eos", "A box.", max_tokens=24, temperature=0, response_format=BOX),
              chat("json-ignore-eos", "A box.", max_tokens=24, temperature=0,
                   response_format=BOX, ignore_eos=True),
+             chat("room", "Name a colour.", temperature=0),  # no max_tokens
              *(line for line, _ in UNSUPPORTED.values())]
     root = tmp_path_factory.mktemp("scored")
     (root / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -300,11 +309,11 @@ def test_logprobs_in_the_openai_shapes_equal_vllms(scored_batch, llm):
     theirs = llm.chat(MESSAGES, vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
                       use_tqdm=False)[0].outputs[0]
     content = chat_body.choices[0].logprobs.content
-    assert "".join(t.token for t in content) == chat_body.choices[0].message.content
+    text = chat_body.choices[0].message.content
+    assert b"".join(bytes(t.bytes) for t in content).decode() == text  # bytes rebuild it
     assert len(content) == len(theirs.token_ids)
     for ours, token_id, position in zip(content, theirs.token_ids, theirs.logprobs):
         assert ours.token == position[token_id].decoded_token
-        assert ours.bytes == list(ours.token.encode())
         assert ours.logprob == pytest.approx(position[token_id].logprob, abs=1e-5)
         best = sorted(position.values(), key=lambda lp: lp.rank)[:2]
         assert [t.token for t in ours.top_logprobs] == [lp.decoded_token for lp in best]
@@ -317,7 +326,14 @@ def test_logprobs_in_the_openai_shapes_equal_vllms(scored_batch, llm):
     assert lp.token_logprobs == pytest.approx(
         [p[t].logprob for t, p in zip(theirs.token_ids, theirs.logprobs)], abs=1e-5)
     assert all(len(top) == 2 for top in lp.top_logprobs)
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # each token's offset is where it is in the text, a token that decodes alone to nothing
+    # or to U+FFFD (part of a character) included: the tokens' lengths would put "ull" of
+    # "@\ufffdull" at 1, not 2 (vLLM's own server does)
+    text = comp_body.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        if token and "\ufffd" not in token:
+            assert text[offset:].startswith(token), (text, lp.tokens, lp.text_offset)
     assert results["penalised"]["choices"][0]["logprobs"] is None  # not asked for
 
 
@@ -404,3 +420,36 @@ def test_a_write_killed_between_the_two_files_is_completed_by_the_rerun(tiny_mod
     assert other.returncode == 2
     assert other.stderr.strip() == (f"overnight: error: {results} already exists; "
                                     "pass --overwrite to replace it")
+
+
+def test_a_request_without_max_tokens_may_use_the_room_its_prompt_leaves(scored_batch):
+    """As the hosted API and vLLM's run_batch default it: max_model_len - prompt tokens (it
+    was min(1024, max_model_len // 2)); the random model never ends on its own."""
+    room = scored_batch[0]["room"]
+    assert room["usage"]["prompt_tokens"] + room["usage"]["completion_tokens"] == 512
+    assert room["choices"][0]["finish_reason"] == "length"
+
+
+def test_logprobs_byte_fields_follow_the_tokens_bytes(tiny_model):
+    """A token that holds part of a UTF-8 character decodes alone to U+FFFD: its ``bytes``
+    are its own bytes, so the tokens' bytes rebuild the text, and its ``text_offset`` is
+    where its first byte falls (vLLM 0.32's server derives both from the decoded text)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(tiny_model) / "tokenizer.json"))
+    text = "Nöull café 日本"
+    ids = tokenizer.encode(text).ids
+    entries = [{"token": tokenizer.decode([i]), "token_id": i, "logprob": -0.5, "top": []}
+               for i in ids]
+    assert "\ufffd" in "".join(e["token"] for e in entries)  # some tokens split a character
+    token_bytes = token_bytes_of(tiny_model)
+    chat_lp = _openai_logprobs(entries, True, token_bytes)
+    assert b"".join(bytes(t["bytes"]) for t in chat_lp["content"]).decode() == text
+    completion = _openai_logprobs(entries, False, token_bytes)
+    offsets = completion["text_offset"]
+    assert len(offsets) == len(ids) and offsets == sorted(offsets)
+    for entry, offset in zip(entries, offsets):  # a whole-character token is where it says
+        if "\ufffd" not in entry["token"]:
+            assert text[offset:].startswith(entry["token"])
+    tokens = [e["token"] for e in entries]
+    assert offsets[tokens.index("ull")] == text.index("ull") == 2  # after "N" and "ö"

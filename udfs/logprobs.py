@@ -93,3 +93,97 @@ def label_confidence(labels, text: str | None, entries: list[dict] | None) -> fl
     mass = label_masses(labels, entries)
     total = sum(mass.values())
     return mass[text] / total if total > 0 else None
+
+
+# -- the OpenAI shapes' byte-level fields ---------------------------------------------------
+#
+# vLLM's ``decoded_token`` is each token decoded alone, so a token that holds part of a UTF-8
+# character decodes to U+FFFD: its text is not its bytes, and offsets summed from those texts
+# drift from the sample's text (vLLM 0.32's own server computes ``text_offset`` and chat
+# ``bytes`` that way, and has the same defect). The bytes a token stands for are in its
+# tokenizer's vocabulary; from them, each token's offset in the text is where its first byte
+# falls.
+
+
+def token_bytes_of(model: str | None):
+    """``(token_id, token_text) -> bytes`` for a local model's tokenizer.json: a byte-level
+    BPE's pieces mapped back to bytes (GPT-2, Llama 3, Qwen, SmolLM), SentencePiece's byte
+    fallback pieces (``<0xE2>``) and its ``▁`` as a space. Where the vocabulary cannot say
+    (no tokenizer.json, a special token, no id from an OpenAI server), the text's UTF-8."""
+    import json
+    from pathlib import Path
+
+    def plain(token_id, text):
+        return (text or "").encode("utf-8")
+
+    path = Path(model) / "tokenizer.json" if model else None
+    if path is None or not path.is_file():
+        return plain
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        vocab = spec["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return plain
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...], by id
+        pieces = {i: entry[0] for i, entry in enumerate(vocab)}
+    elif isinstance(vocab, dict):
+        pieces = {i: piece for piece, i in vocab.items()}
+    else:
+        return plain
+    special = {t["id"] for t in spec.get("added_tokens") or () if t.get("special")}
+    decoders = json.dumps(spec.get("decoder"))
+    if '"ByteLevel"' in decoders:
+        inverse = {char: byte for byte, char in _byte_level_alphabet().items()}
+
+        def piece_bytes(piece):
+            if all(c in inverse for c in piece):
+                return bytes(inverse[c] for c in piece)
+            return None
+    elif '"ByteFallback"' in decoders or '"Metaspace"' in decoders or "\u2581" in decoders:
+        def piece_bytes(piece):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    return None
+            return piece.replace("\u2581", " ").encode("utf-8")
+    else:
+        return plain
+
+    def token_bytes(token_id, text):
+        piece = pieces.get(token_id) if token_id is not None else None
+        if piece is None or token_id in special:
+            return plain(token_id, text)
+        found = piece_bytes(piece)
+        return plain(token_id, text) if found is None else found
+
+    return token_bytes
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are
+    written in (``tokenizers``' ByteLevel pre-tokenizer)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def text_offsets(pieces: list[bytes], start: int = 0) -> list[int]:
+    """Each token's offset in the text its bytes decode to, in characters: where its first
+    byte falls, so a token that continues a character starts where that character does.
+    The offsets index the text ``b"".join(pieces).decode("utf-8", "replace")``."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, at = [], start
+    for piece in pieces:
+        offsets.append(at)
+        at += len(decoder.decode(piece))
+    return offsets
