@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override a setting, e.g. "
                        "--set engine.kv_cache_memory_bytes=268435456")
+    batch.add_argument("--served-model-name", help="the model name result bodies give "
+                       "(default: the --model directory's name)")
     batch.add_argument("--overwrite", action="store_true",
                        help="replace existing result files and run every request again")
     batch.add_argument("--quiet", action="store_true", help="no progress line")
@@ -61,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "settings (a job's input, prompt and output sections are ignored)")
     serve.add_argument("--model", help="the local model every batch runs on (default: the "
                        "config's model.name)")
+    serve.add_argument("--served-model-name", help="the model name batches and result "
+                       "bodies give (default: the model directory's name)")
     serve.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override a setting (repeatable)")
     serve.add_argument("--data-dir", default="overnight-serve",
@@ -71,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "OVERNIGHT_API_KEYS environment variable)")
     serve.add_argument("--max-upload-mb", type=float, default=200,
                        help="the largest file an upload may be")
+    serve.add_argument("--retention-days", type=float, help="remove a finished batch's "
+                       "folder and its output and error files this many days after it "
+                       "ends (default: keep them)")
 
     status = sub.add_parser("status", help="how far a job got: rows done, left, errors")
     status.add_argument("output", help="the job's output.path")
@@ -113,7 +120,7 @@ def cmd_batch(args) -> int:
 
     counts = run_batch_file(args.requests, args.output, errors=args.errors, model=args.model,
                             config=args.config, overrides=args.overrides,
-                            overwrite=args.overwrite,
+                            overwrite=args.overwrite, served_model_name=args.served_model_name,
                             progress=Progress(total=0, enabled=not args.quiet))
     print(f"requests: {counts['requests']} lines -> {counts['results']} results, "
           f"{counts['errors']} errors ({counts['rejected_lines']} could not run)")
@@ -127,7 +134,9 @@ def cmd_serve(args) -> int:
     keys = read_keys(args.api_keys_file)
     serve(load_settings(config=args.config, model=args.model, overrides=args.overrides,
                         data_dir=args.data_dir, host=args.host, port=args.port,
-                        max_upload_mb=args.max_upload_mb), keys)
+                        max_upload_mb=args.max_upload_mb,
+                        served_model_name=args.served_model_name,
+                        retention_days=args.retention_days), keys)
     return 0
 
 

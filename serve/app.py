@@ -7,7 +7,6 @@ answer as for an id that never existed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
@@ -39,14 +38,9 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def key_owner(key: str) -> str:
-    """What the store records for a key: its hash (the key itself is kept nowhere)."""
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 def create_app(store: Store, runner: Runner, *, owners: set[str],
                max_upload_bytes: int) -> FastAPI:
-    """``owners``: the hashes of the accepted keys (``key_owner``)."""
+    """``owners``: the accepted keys as the store records them (``Store.owner_of``)."""
     app = FastAPI(title="overnight serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -74,7 +68,7 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
             return JSONResponse(error_body(
                 "You didn't provide an API key. Provide it in the Authorization header "
                 "(Authorization: Bearer YOUR_KEY)."), 401)
-        owner = key_owner(key.strip())
+        owner = store.owner_of(key.strip())
         if owner not in owners:
             return JSONResponse(error_body("Incorrect API key provided.",
                                            code="invalid_api_key"), 401)

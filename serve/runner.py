@@ -197,7 +197,7 @@ class Runner:
     def _launch(self, batch_id: str, folder: Path) -> subprocess.Popen:
         command = [sys.executable, "-m", "pipelines.cli", "batch", str(folder / INPUT),
                    "-o", str(folder / RESULTS), "-e", str(folder / ERRORS),
-                   "--model", self.model, "--quiet"]
+                   "--model", self.model, "--served-model-name", self.served_model, "--quiet"]
         if self.config is not None:
             command += ["--config", str(self.config)]
         for override in self.overrides:
@@ -256,7 +256,7 @@ class Runner:
         have_results = finish_write(folder / RESULTS, folder / ERRORS) is not None
         if not have_results and parts.is_dir() and (work / "rejected.jsonl").exists():
             write_results(parts, work / "rejected.jsonl", folder / RESULTS, folder / ERRORS,
-                          self.model)
+                          self.served_model, tokenizer=self.model)
 
     def _finalize(self, batch_id: str, status: str, *,
                   only_if: tuple[str, ...] = ("finalizing",), **extra) -> None:

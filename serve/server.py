@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,14 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_upload_bytes: int = 200 << 20  # the hosted API's limit for a batch input file
+    served_model_name: str = ""  # the ``model`` batches and results give; "": the dir's name
+    retention_days: float | None = None  # finished batches' data kept this long (None: kept)
+
+    @property
+    def served_model(self) -> str:
+        from pipelines.batch import served_name
+
+        return self.served_model_name or served_name(self.model)
 
 
 def read_keys(keys_file: str | None, environ=os.environ) -> list[str]:
@@ -52,7 +62,9 @@ def read_keys(keys_file: str | None, environ=os.environ) -> list[str]:
 
 
 def load_settings(*, config: str | None, model: str | None, overrides: list[str],
-                  data_dir: str, host: str, port: int, max_upload_mb: float) -> ServeSettings:
+                  data_dir: str, host: str, port: int, max_upload_mb: float,
+                  served_model_name: str | None = None,
+                  retention_days: float | None = None) -> ServeSettings:
     raw: dict = {}
     if config:
         try:
@@ -65,30 +77,64 @@ def load_settings(*, config: str | None, model: str | None, overrides: list[str]
     model = model or (raw.get("model") or {}).get("name")
     if not model:
         raise ConfigError("serve: no model; give --model, or a --config with model.name")
+    if retention_days is not None and not retention_days > 0:
+        raise ConfigError(f"serve: --retention-days {retention_days}: must be more than 0")
     return ServeSettings(data_dir=Path(data_dir).resolve(), model=model, config=raw,
                          overrides=list(overrides), host=host, port=port,
-                         max_upload_bytes=int(max_upload_mb * (1 << 20)))
+                         max_upload_bytes=int(max_upload_mb * (1 << 20)),
+                         served_model_name=served_model_name or "",
+                         retention_days=retention_days)
+
+
+SWEEP_EVERY = 600  # seconds between looks for finished batches' data past the retention
+
+
+def _sweep_loop(store, retention_days: float | None) -> None:
+    """Finished batches' folders removed once past the retention (and, always, what a
+    deleted input file's batches kept of it once they end)."""
+    log = logging.getLogger("overnight.serve")
+    retention = retention_days * 86400 if retention_days is not None else None
+    while True:
+        try:
+            for batch_id in store.sweep(retention):
+                log.info("batch %s: its data removed (retention %s days)", batch_id,
+                         retention_days)
+        except Exception:  # noqa: BLE001 - the next sweep tries again
+            log.exception("sweep")
+        time.sleep(SWEEP_EVERY)
 
 
 def serve(settings: ServeSettings, keys: list[str]) -> None:
     """Run until interrupted. Batches left unfinished by an earlier server are picked up."""
     import uvicorn
 
-    from serve.app import create_app, key_owner
+    from serve.app import create_app
     from serve.runner import Runner
     from serve.store import Store
 
+    # Prompts, results and the key HMACs are this user's alone: every file and folder the
+    # server and its batches' children make is theirs only, and what an earlier server made
+    # with a wider mode is closed (the data directory itself shuts the rest)
+    os.umask(0o077)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.data_dir, 0o700)
     store = Store(settings.data_dir)
+    for path in settings.data_dir.glob("state.sqlite3*"):
+        os.chmod(path, 0o600)
+    store.adopt_keys(keys)
     config_path = None
     if settings.config:
         config_path = settings.data_dir / "batch-config.yaml"
         config_path.write_text(yaml.safe_dump(settings.config), encoding="utf-8")
     runner = Runner(store, model=settings.model, config=config_path,
-                    overrides=settings.overrides, served_model=settings.model)
-    app = create_app(store, runner, owners={key_owner(k) for k in keys},
+                    overrides=settings.overrides, served_model=settings.served_model)
+    app = create_app(store, runner, owners={store.owner_of(k) for k in keys},
                      max_upload_bytes=settings.max_upload_bytes)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     runner.start()
+    threading.Thread(target=_sweep_loop, args=(store, settings.retention_days),
+                     name="overnight-serve-sweep", daemon=True).start()
     print(f"overnight serve: http://{settings.host}:{settings.port}/v1  model "
-          f"{settings.model}, data {settings.data_dir}, {len(keys)} key(s)", flush=True)
+          f"{settings.served_model} ({settings.model}), data {settings.data_dir}, "
+          f"{len(keys)} key(s)", flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")

@@ -3,11 +3,14 @@
 Layout of the data directory::
 
     state.sqlite3          files and batches (the API objects as JSON, an owner, a status)
+    key.secret             the HMAC key owners are computed with (random, made once)
     serve.lock             held (flock) by the one server that owns the directory
     files/<file id>        each file's bytes, written to a temporary name and renamed in
     batches/<batch id>/    a batch's input, its ``overnight batch`` work directory and log
 
-An owner is the SHA-256 of an API key, never the key. Every read takes the owner, so a key
+An owner is an HMAC-SHA256 of an API key under ``key.secret``, never the key: a copy of the
+database alone does not let keys be tried against it (a store made with unsalted SHA-256
+owners is moved over as each of its keys is seen again). Every read takes the owner, so a key
 that does not own an object finds nothing, exactly as if it did not exist. Each write is one
 SQLite transaction (WAL, synchronous FULL): a ``kill -9`` loses at most the request in flight.
 
@@ -19,9 +22,12 @@ never leaves it.
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import json
 import os
 import secrets
+import shutil
 import sqlite3
 import threading
 import time
@@ -40,6 +46,9 @@ CREATE TABLE IF NOT EXISTS batches (
 
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+SECRET = "key.secret"
 
 
 def new_id(prefix: str) -> str:
@@ -64,6 +73,22 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+        self._secret = _secret(self.root / SECRET)
+
+    # -- owners ------------------------------------------------------------------------------
+
+    def owner_of(self, key: str) -> str:
+        """What the store records for a key: its HMAC (the key itself is kept nowhere)."""
+        return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()
+
+    def adopt_keys(self, keys: list[str]) -> None:
+        """Objects recorded under a key's unsalted SHA-256 (a store made before owners
+        were HMACs) moved to its HMAC, for each key given."""
+        with self._lock:
+            for key in keys:
+                old, new = hashlib.sha256(key.encode()).hexdigest(), self.owner_of(key)
+                for table in ("files", "batches"):
+                    self._db.execute(f"UPDATE {table} SET owner=? WHERE owner=?", (new, old))
 
     # -- files -------------------------------------------------------------------------------
 
@@ -106,12 +131,62 @@ class Store:
         return self._page("files", where, args, after, limit, order)
 
     def delete_file(self, owner: str, file_id: str) -> bool:
+        """The file gone, with every copy of its data a batch made: a batch's output or
+        error file takes its link in the batch's folder (an output file, the job's work
+        directory too: its parts hold the same results, beside the prompts); an input file
+        takes each finished batch's copy of it and its work directory (a batch still running
+        keeps its copy until it ends: ``sweep``)."""
         with self._lock:
             gone = self._db.execute("DELETE FROM files WHERE id=? AND owner=?",
                                     (file_id, owner)).rowcount
-        if gone:
-            self.file_path(file_id).unlink(missing_ok=True)
-        return bool(gone)
+        if not gone:
+            return False
+        self.file_path(file_id).unlink(missing_ok=True)
+        from serve.runner import ERRORS, RESULTS
+
+        for key, name in (("output_file_id", RESULTS), ("error_file_id", ERRORS)):
+            for batch_id in self._batches_where(f"json_extract(object, '$.{key}')=?",
+                                                (file_id,)):
+                (self.batch_dir(batch_id) / name).unlink(missing_ok=True)
+                if name == RESULTS:
+                    _remove(self.batch_dir(batch_id) / f"{RESULTS}.overnight")
+        self.sweep()
+        return True
+
+    def sweep(self, retention: float | None = None, now: float | None = None) -> list[str]:
+        """Finished batches' data that nothing needs any more: the input copy and work
+        directory of each whose input file was deleted; with ``retention`` (seconds), the
+        whole folder and the output and error files of each that finished longer ago than
+        that. Returns the ids of the batches whose folders were removed."""
+        from serve.runner import INPUT, RESULTS
+
+        now = time.time() if now is None else now
+        marks = ",".join("?" * len(TERMINAL))
+        with self._lock:
+            rows = self._db.execute(f"SELECT id, owner, object FROM batches WHERE status IN "
+                                    f"({marks})", TERMINAL).fetchall()
+            files = {row["id"] for row in self._db.execute("SELECT id FROM files")}
+        removed = []
+        for row in rows:
+            batch, folder = json.loads(row["object"]), self.batch_dir(row["id"])
+            if not folder.exists():
+                continue
+            ended = batch.get(f"{batch['status']}_at") or batch["created_at"]
+            if retention is not None and ended < now - retention:
+                for key in ("output_file_id", "error_file_id"):
+                    if batch.get(key) in files:
+                        self.delete_file(row["owner"], batch[key])
+                _remove(folder)
+                removed.append(row["id"])
+            elif batch["input_file_id"] not in files:
+                (folder / INPUT).unlink(missing_ok=True)
+                _remove(folder / f"{RESULTS}.overnight")
+        return removed
+
+    def _batches_where(self, where: str, args: tuple) -> list[str]:
+        with self._lock:
+            return [row["id"] for row in self._db.execute(
+                f"SELECT id FROM batches WHERE {where}", args).fetchall()]
 
     # -- batches -----------------------------------------------------------------------------
 
@@ -196,6 +271,31 @@ class Store:
                                     [*args, limit + 1]).fetchall()
         objects = [json.loads(row["object"]) for row in rows]
         return objects[:limit], len(objects) > limit
+
+
+def _secret(path: Path) -> bytes:
+    """The store's HMAC key: read, or made once (readable by its owner only), written whole
+    under a temporary name and linked in, so no server ever reads half of one."""
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, path)  # never replaces a key already made
+        except FileExistsError:
+            pass
+        tmp.unlink()
+    return bytes.fromhex(path.read_text().strip())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _lock(root: Path):

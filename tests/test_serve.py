@@ -282,6 +282,58 @@ def test_a_batch_never_leaves_a_final_status_and_a_failing_step_keeps_a_cancel(t
     assert store.get_batch(None, "completed")["status"] == "completed"
 
 
+def test_the_data_is_its_users_alone_and_keys_are_kept_as_hmacs(server, tmp_path):
+    """Every file and folder the server makes is 0600/0700 (they were 0644/0755: any local
+    user read every key's prompts and results), and a key is recorded as an HMAC under the
+    store's own secret, not as its bare SHA-256."""
+    import hashlib
+    import sqlite3
+    import stat
+
+    uploaded = server.client().files.create(file=("p.jsonl", b"{}\n"), purpose="batch")
+    data = server.root / "data"
+    assert (data / "files" / uploaded.id).is_file()
+    for path in [data, *data.rglob("*")]:
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+    with sqlite3.connect(data / "state.sqlite3") as db:
+        owners = {row[0] for row in db.execute("SELECT owner FROM files")}
+    assert owners and hashlib.sha256(KEY.encode()).hexdigest() not in owners
+
+
+def test_a_store_with_sha256_owners_is_moved_to_hmacs_and_old_batches_expire(tmp_path):
+    """A data directory from before (owners = SHA-256 of the key) keeps its objects: each
+    is moved to its key's HMAC when the key is seen. With a retention, a finished batch's
+    folder and its output file go once it ended longer ago than that; newer ones stay."""
+    import hashlib
+
+    from serve.store import Store
+
+    store = Store(tmp_path / "data")
+    (tmp_path / "f.jsonl").write_text("{}\n")
+    old_owner = hashlib.sha256(KEY.encode()).hexdigest()
+    kept = store.add_file(old_owner, tmp_path / "f.jsonl", "f.jsonl", "batch")
+    assert store.get_file(store.owner_of(KEY), kept["id"]) is None
+    store.adopt_keys([KEY])
+    assert store.get_file(store.owner_of(KEY), kept["id"]) == kept
+
+    owner, now = store.owner_of(KEY), time.time()
+    for batch_id, ended in (("batch_old", now - 3 * 86400), ("batch_new", now - 3600)):
+        folder = store.batch_dir(batch_id)
+        folder.mkdir()
+        (folder / "results.jsonl").write_text('{"custom_id": "a"}\n')
+        out = store.add_file(owner, folder / "results.jsonl", "r.jsonl", "batch_output",
+                             file_id=f"file-{batch_id}", link=True)
+        store.add_batch(owner, {"id": batch_id, "status": "completed", "created_at": ended,
+                                "completed_at": ended, "input_file_id": kept["id"],
+                                "output_file_id": out["id"], "error_file_id": None})
+    assert store.sweep(retention=2 * 86400, now=now) == ["batch_old"]
+    assert not store.batch_dir("batch_old").exists()
+    assert store.get_file(owner, "file-batch_old") is None
+    assert not store.file_path("file-batch_old").exists()
+    assert store.get_file(owner, "file-batch_new") and store.batch_dir("batch_new").is_dir()
+    assert store.get_batch(owner, "batch_old")["status"] == "completed"  # the object stays
+
+
 def test_batches_list_in_cursor_pages(server):
     client = server.client()
     created = [client.batches.create(
@@ -328,6 +380,20 @@ def test_round_trip_equals_overnight_batch(server, tiny_model, tmp_path):
     assert [r["custom_id"] for r in results] == [f"rt-{i}" for i in range(160)]
     assert {r["custom_id"]: _content(r) for r in results} == \
         {r["custom_id"]: _content(r) for r in expected}
+    # the served name (the model directory's), never the server's filesystem path
+    assert batch.model == Path(tiny_model).name
+    assert {r["response"]["body"]["model"] for r in results} == {Path(tiny_model).name}
+
+    # a file's deletion takes every copy of its data the batch made: the output file its
+    # link in the batch's folder and the job's parts; the input file the batch's copy
+    folder = server.root / "data" / "batches" / batch.id
+    assert (folder / "results.jsonl").exists() and (folder / "input.jsonl").exists()
+    assert client.files.delete(batch.output_file_id).deleted
+    assert not (folder / "results.jsonl").exists()
+    assert not (folder / "results.jsonl.overnight").exists()
+    assert client.files.delete(uploaded.id).deleted
+    assert not (folder / "input.jsonl").exists()
+    assert not any(server.root.joinpath("data", "files").glob(f"{uploaded.id}*"))
 
 
 def test_cancel_mid_run_keeps_the_results_done(server, tmp_path):
