@@ -58,24 +58,39 @@ def test_a_real_jobs_live_progress_has_an_eta_within_2x_after_the_first_fifth(
     """A real job in a log (not a TTY): lines come from the replicas' live counts while
     blocks are in flight, long before parts commit, and after 20% of the requests every ETA
     is within 2x of the time the job then really took (where that is over 5 s: a log line's
-    resolution)."""
+    resolution). Outputs end before their max_tokens at lengths the ETA cannot know, as EOS
+    ends a real model's: each row's min_tokens, with most of the vocabulary stop tokens
+    (an ETA from the last 15 s's rate, less the tokens in flight, was off 2-5x here)."""
     import json
+    import random
     import re
+    from pathlib import Path
 
     from pipelines import load_config, run_job
 
     from conftest import job_config
 
-    # ~20 s of generation on 2 cores: outputs of 16..255 tokens, started longest first
-    rows = [{"sku": f"P{i:04d}", "title": f"Thing {i}", "description": "words " * (i % 40),
-             "cap": 16 + (i * 37) % 240} for i in range(1200)]
+    # ~15 s of generation on 2 cores: budgets of 16..255 tokens (started longest first),
+    # each output some length up to its budget
+    vocab = json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"]
+    lengths = random.Random(0)
+    rows = []
+    for i in range(1500):
+        cap = 16 + (i * 37) % 240
+        rows.append({"sku": f"P{i:04d}", "title": f"Thing {i}", "description": "words " * (i % 40),
+                     "cap": cap, "o": json.dumps({"min_tokens": lengths.randint(8, cap)})})
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = load_config(job_config(
         tiny_model, tmp_path / "in.jsonl", tmp_path / "out", input={"id_column": "sku"},
-        sampling={"max_tokens": 256, "max_tokens_column": "cap", "ignore_eos": True},
+        sampling={"max_tokens": 256, "max_tokens_column": "cap", "overrides_column": "o",
+                  "temperature": 1.0, "stop_token_ids": list(range(vocab // 10, vocab))},
         model={"max_model_len": 512}, resources={"batch_size": 64}))
     stream = io.StringIO()
     summary = run_job(config, progress=Progress(total=0, stream=stream, interval=1.0))
+    import polars as pl
+
+    ended = pl.read_parquet(tmp_path / "out")["finish_reason"]
+    assert (ended == "stop").mean() > 0.9  # before their max_tokens, as EOS ends them
 
     # the report's throughput over time comes from the same live samples; its page shows
     # rows input beside output, and the replicas
