@@ -49,12 +49,21 @@ class RunSummary:
     deduped: int | None = None  # with output.dedupe: duplicate samples dropped
     recovery: dict | None = None  # engine restarts, retried blocks, isolated rows
     steps: list[dict] | None = None  # a job with steps: each step's counts (rows, tokens)
+    keep_dropped: bool = False  # output.keep_dropped: rows a step dropped are written, not ok
     report: dict | None = None  # the run report (pipelines/report.py), once committed
     report_path: str | None = None
 
     @property
+    def dropped(self) -> int:
+        """Rows a step dropped that were written (output.keep_dropped): a step's skipped rows
+        are dropped rows too, so they count once, as in the run report."""
+        if not (self.keep_dropped and self.steps):
+            return 0
+        return sum(step.get("dropped", 0) for step in self.steps)
+
+    @property
     def rows_ok(self) -> int:
-        return self.rows - self.skipped - sum(self.errors.values())
+        return self.rows - max(self.skipped, self.dropped) - sum(self.errors.values())
 
     def add_part(self, record: dict) -> None:
         self.parts += 1
@@ -88,7 +97,8 @@ class RunSummary:
 
     def lines(self) -> list[str]:
         errs = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
-        return [f"rows: {self.rows} written ({self.rows_ok} ok, {self.skipped} skipped, "
+        dropped = f"{self.dropped} dropped by a step, " if self.dropped else ""
+        return [f"rows: {self.rows} written ({self.rows_ok} ok, {self.skipped} skipped, {dropped}"
                 f"{sum(self.errors.values())} with errors: {errs})",
                 *self.notes(),
                 f"tokens: {self.prompt_tokens} in, {self.completion_tokens} out",
@@ -283,6 +293,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     for file in stats:
         summary.add_part(file)
     summary.structured = plan.structured is not None
+    summary.keep_dropped = bool(plan.steps) and config.output.keep_dropped
     summary.rows_total = plan.input.num_rows
     if config.output.dedupe:  # every input row was written with n samples, less duplicates
         summary.deduped = plan.input.num_rows * config.sampling.n - summary.rows
