@@ -1,9 +1,9 @@
 """Compaction: the staged parts, joined into files of about ``output.file_size_mb``, in input
 order, by Ray tasks on the cluster (the rows never pass through the driver).
 
-A job writes a part for every block, or for every piece of one (pipelines/write.py): tens of
-thousands of small files for a large table, which object stores and every reader after us pay
-for. Once every row is staged, consecutive parts are grouped, at block boundaries, until a
+A job writes a part for every block, or for every piece of one (pipelines/write/writers.py):
+tens of thousands of small files for a large table, which object stores and every reader after us
+pay for. Once every row is staged, consecutive parts are grouped, at block boundaries, until a
 group holds about the target size; each group becomes one file ``part-START-END.parquet``,
 written whole (a temporary name, then a rename; one upload on an object store), and only then
 are its parts removed. A file whose range holds a part supersedes it (``list_parts``), so a
@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
-from pipelines.read import _conform  # a block given the input's schema: the same cast
+from pipelines.read.schema import _conform  # a block given the input's schema: the same cast
 from pipelines.storage import Location
 from pipelines.write import (COUNTED, Part, add_steps, count_part, list_parts, part_name,
                              part_steps, read_part)

@@ -25,7 +25,7 @@ PROMPT_TOKEN_IDS = "__overnight_prompt_token_ids"
 PROMPT_MESSAGES = "__overnight_prompt_messages"  # JSON; only for an engine that wants them
 SEED = "__overnight_seed"
 # With SAMPLE_INDEX: how many samples the row has. The writer tells by it a row that Ray Data
-# cut between two of its samples (pipelines/write.py: a part holds whole input rows).
+# cut between two of its samples (pipelines/write/: a part holds whole input rows).
 SAMPLES = "__overnight_samples"
 # Set by the predictor on every row of a block, read by the writer into the part's record (the
 # run report's per-replica and over-time numbers): which replica generated the block, when its
