@@ -115,7 +115,7 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     """The Ray Data chain; each stage is one ``map_batches`` over whole blocks."""
     replicas = plan_replicas(plan.config)
     resources = plan.config.resources
-    # a small table's blocks are smaller than batch_size (pipelines/read.py:
+    # a small table's blocks are smaller than batch_size (pipelines/read/sizes.py:
     # plan_block_rows): an engine holds more of them, the same rows at once
     block_rows = max((b.num_rows for b in plan.input.blocks), default=resources.batch_size)
     at_once = blocks_at_once(resources.blocks_in_flight, resources.batch_size, block_rows,

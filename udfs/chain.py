@@ -24,7 +24,7 @@ class Chain:
     call it from several threads).
 
     With ``cut`` (the plan's block starts, and its rows per block), a batch is first cut into
-    the plan's blocks: Ray Data moves several of them in one of its blocks (pipelines/read.py:
+    the plan's blocks: Ray Data moves several of them in one of its blocks (pipelines/read/sizes.py:
     ``ray_block_rows``), and its blocks need not start where the plan's do, while the engine
     takes one block at a time and the writer commits each as a part. The pieces run at once,
     up to ``at_once`` of them in the actor over all its calls (the blocks in flight it was
