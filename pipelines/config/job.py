@@ -1,0 +1,215 @@
+"""The whole job: its sections, and the checks that span them (a pooling task's columns, a
+step's references to the steps before it, the settings one engine kind does not take).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from pipelines.config.engine import EngineConfig, VLLMEngineConfig
+from pipelines.config.sections import (InputConfig, ModelConfig, OutputConfig, PromptConfig,
+                                       ReportConfig, ResourcesConfig, SamplingConfig,
+                                       StructuredConfig, _Strict)
+from pipelines.config.steps import StepConfig
+from udfs import columns
+
+
+POOLING_TASKS = ("embed", "score", "classify")
+# the output column a task writes unless output.column names another
+DEFAULT_COLUMN = {"embed": "embedding", "score": "score", "classify": "label"}
+
+
+class JobConfig(_Strict):
+    task: Literal["generate", "embed", "score", "classify"] = Field(
+        "generate", description="generate: text from a prompt; embed: a vector per row; "
+        "score: a float per pair of texts (a cross-encoder or reward model); classify: the "
+        "top label and a probability per label (a sequence-classification model).")
+    input: InputConfig
+    model: ModelConfig
+    prompt: PromptConfig | None = Field(
+        None, description="The job's prompt; a job of several steps gives each step its own.")
+    steps: list[StepConfig] | None = Field(
+        None, min_length=1, description="A job of several steps, run in order on each row by "
+        "one engine: generate, judge, filter (udfs/steps.py).")
+    sampling: SamplingConfig = SamplingConfig()
+    output: OutputConfig
+    structured: StructuredConfig | None = None
+    engine: EngineConfig = VLLMEngineConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    report: ReportConfig = ReportConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_kind_defaults_to_vllm(cls, raw):
+        if isinstance(raw, dict) and isinstance(raw.get("engine"), dict):
+            raw = {**raw, "engine": {"kind": "vllm", **raw["engine"]}}
+        return raw
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_names_its_column(cls, raw):
+        task = raw.get("task") if isinstance(raw, dict) else None
+        output = raw.get("output") if isinstance(raw, dict) else None
+        if task in DEFAULT_COLUMN and isinstance(output, dict) and "column" not in output:
+            raw = {**raw, "output": {**output, "column": DEFAULT_COLUMN[task]}}
+        return raw
+
+    @model_validator(mode="after")
+    def _prompt_or_steps(self) -> JobConfig:
+        if (self.prompt is None) == (self.steps is None):
+            raise ValueError("give exactly one of prompt (a job of one step) and steps")
+        if self.steps is None:
+            if self.output.keep_dropped:
+                raise ValueError("output.keep_dropped applies to a job with steps (only a "
+                                 "step's filter drops rows); remove it")
+            return self
+        if self.task != "generate":
+            raise ValueError(f"steps does not apply to task: {self.task} (steps generate)")
+        wrong = [f"sampling.{k}" for k in _changed(self.sampling)]
+        wrong += ["structured"] * (self.structured is not None)
+        wrong += [f"output.{k}" for k in ("column", "parsed_column", "dedupe", "logprobs",
+                                           "logprobs_column", "confidence_column")
+                  if k in _changed(self.output)]
+        if wrong:
+            raise ValueError(f"{wrong[0]} does not apply to a job with steps; give each "
+                             "step its own (steps[].sampling, steps[].structured, "
+                             "steps[].column)")
+        names, taken = set(), set(columns.GENERATED) | {columns.DROPPED_BY, columns.ROW_ID}
+        for i, step in enumerate(self.steps):
+            if step.name in names:
+                raise ValueError(f"steps[{i}].name {step.name!r} is used by an earlier step")
+            names.add(step.name)
+            for name in step.added_columns():
+                if name in taken:
+                    raise ValueError(f"steps[{i}] ({step.name}) would add a column {name!r}, "
+                                     "which the job already has; name the step or its "
+                                     "column another way")
+                taken.add(name)
+        if all(step.prompt is None for step in self.steps):
+            raise ValueError("steps: no step has a prompt (the job would generate nothing)")
+        return self
+
+    @model_validator(mode="after")
+    def _pooling_settings_apply(self) -> JobConfig:
+        """Settings that cannot apply to the task: one line naming the first, not ignored."""
+        if self.steps is not None:
+            return self
+        task = self.task
+        wrong = []
+        if task != "generate":
+            # (embed: a row's own dimensions may come from sampling.overrides_column)
+            wrong += [f"sampling.{k}" for k in _changed(self.sampling)
+                      if not (task == "embed" and k == "overrides_column")]
+            wrong += ["structured"] * (self.structured is not None)
+            wrong += [f"output.{k}" for k in ("parsed_column", "dedupe", "logprobs",
+                                               "logprobs_column", "confidence_column")
+                      if k in _changed(self.output)]
+            wrong += [f"prompt.{k}" for k in ("messages_column", "system")
+                      if getattr(self.prompt, k) is not None]
+        if task != "score" and self.prompt.pair_template is not None:
+            wrong.append("prompt.pair_template")
+        if task != "embed":
+            wrong += [f"output.{k}" for k in ("normalize", "dimensions")
+                      if k in _changed(self.output)]
+        if task != "classify" and self.output.labels is not None:
+            wrong.append("output.labels")
+        if wrong:
+            what = ("no text is generated" if task != "generate"
+                    else "it is for another task")
+            raise ValueError(f"{wrong[0]} does not apply to task: {task} ({what}); remove it")
+        if task == "score" and self.prompt.pair_template is None:
+            raise ValueError("task: score needs prompt.pair_template (the document side; "
+                             "prompt.template is the query side)")
+        if task != "generate" and self.engine.kind == "http" and (
+                self.engine.endpoint == "chat" or task == "score"
+                and self.prompt.on_too_long == "truncate"):
+            key = ("engine.endpoint: chat" if self.engine.endpoint == "chat"
+                   else "prompt.on_too_long: truncate")
+            raise ValueError(f"{key} does not apply to task: {task} through a server (it "
+                             "pools token ids, and tokenizes a pair itself); remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _truncation_needs_tokens(self) -> JobConfig:
+        # the server applies the chat template to whole messages: a prompt cut to fit as
+        # tokens cannot be sent as messages
+        chat = self.engine.kind == "http" and self.engine.endpoint == "chat"
+        if chat and any(p.on_too_long == "truncate" for p in self.prompts()):
+            raise ValueError("prompt.on_too_long: truncate needs engine.endpoint: completions "
+                             "(with endpoint: chat the server gets whole messages); or use "
+                             "on_too_long: error or skip")
+        return self
+
+    @model_validator(mode="after")
+    def _output_column_free(self) -> JobConfig:
+        if self.output.column in columns.GENERATED:
+            raise ValueError(
+                f"output.column {self.output.column!r} is reserved; choose another name"
+            )
+        if self.output.parsed_column in (*columns.GENERATED, self.output.column):
+            raise ValueError(f"output.parsed_column {self.output.parsed_column!r} is taken; "
+                             "choose another name")
+        taken = [*columns.GENERATED, self.output.column, self.output.parsed_column]
+        for key in ("logprobs_column", "confidence_column"):
+            name = getattr(self.output, key)
+            if name is not None and name in taken:
+                raise ValueError(f"output.{key} {name!r} is taken; choose another name")
+            taken.append(name)
+        return self
+
+    def prompts(self) -> list[PromptConfig]:
+        """The job's prompt, or each generating step's."""
+        if self.steps is None:
+            return [self.prompt]
+        return [step.prompt for step in self.steps if step.prompt is not None]
+
+    def logprobs_column(self) -> str | None:
+        """The logprobs column, when the job writes one: asked for, or rows may ask."""
+        return self.output.logprobs_column if self.output.logprobs is not None else None
+
+    def confidence_column(self) -> str | None:
+        """The confidence column, with structured.choice."""
+        choice = self.structured is not None and self.structured.choice is not None
+        return self.output.confidence_column if choice else None
+
+    def generated_columns(self) -> list[str]:
+        """The columns the job adds to every source row, in output order."""
+        if self.steps is not None:
+            added = [c for step in self.steps for c in step.added_columns()]
+            added += [columns.DROPPED_BY] * self.output.keep_dropped + list(columns.GENERATED)
+            return ([columns.ROW_ID] if self.input.id_column is None else []) + added
+        if self.task != "generate":
+            return self._pooling_columns()
+        added = [self.output.column, *columns.GENERATED]
+        if self.structured is not None and self.structured.json_schema is not None:
+            added.insert(1, self.output.parsed_column)
+        for scores in (self.confidence_column(), self.logprobs_column()):
+            if scores is not None:
+                added.insert(added.index(columns.FINISH_REASON), scores)
+        if self.sampling.n > 1 or self.sampling.overrides_column:
+            added.insert(0, columns.SAMPLE_INDEX)
+        if self.input.id_column is None:
+            added.insert(0, columns.ROW_ID)
+        return added
+
+
+    def _pooling_columns(self) -> list[str]:
+        """embed and score: one column; classify: the top label, then prob_<label> per label
+        (output.labels, which pre-flight fills in from the model when not set)."""
+        added = [self.output.column, *columns.GENERATED]
+        if self.task == "classify":
+            added[1:1] = [columns.PROBABILITY_PREFIX + label
+                          for label in self.output.labels or ()]
+        if self.input.id_column is None:
+            added.insert(0, columns.ROW_ID)
+        return added
+
+
+def _changed(section: BaseModel) -> list[str]:
+    """The keys of a section set to something other than their default. Not
+    ``model_fields_set``: a config dumped and loaded again (``model_dump``) sets every key."""
+    fields = type(section).model_fields
+    return sorted(k for k, f in fields.items()
+                  if getattr(section, k) != f.get_default(call_default_factory=True))

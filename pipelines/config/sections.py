@@ -1,0 +1,187 @@
+"""The sections of a job's config, one pydantic model each: ``input``, ``model``, ``prompt``,
+``sampling``, ``structured``, ``output``, ``resources``, ``report``. Every field's description is
+the config reference's text (docs/gen_reference.py builds the reference from it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputConfig(_Strict):
+    path: str = Field(description="A Parquet or JSONL file, a directory of them, or a glob.")
+    format: Literal["auto", "parquet", "jsonl"] = Field(
+        "auto", description="File format; 'auto' goes by the file extension."
+    )
+    id_column: str | None = Field(
+        None, description="A unique column that identifies a row; without it a row_id is added."
+    )
+
+
+class ModelConfig(_Strict):
+    name: str = Field(description="A Hugging Face model name or a local model directory.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length (prompt + output); default: the model's own."
+    )
+    dtype: str = Field("auto", description="Weights dtype: auto, float32, bfloat16, float16.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each engine spreads over.")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Pipeline stages per engine; an engine holds tensor_parallel_size "
+        "x pipeline_parallel_size GPUs, reserved together on one node.")
+    trust_remote_code: bool = Field(False, description="Allow the model's own Python code.")
+
+
+class PromptConfig(_Strict):
+    template: str | None = Field(
+        None, description="Jinja template over the row's columns, e.g. 'Title: {{ title }}'."
+    )
+    messages_column: str | None = Field(
+        None, description="Instead of a template: a column holding each row's chat "
+        "messages, a list of {role, content} (or that list as a JSON string), for "
+        "conversations assembled upstream; a plain string there is a raw prompt, sent "
+        "without the chat template.")
+    pair_template: str | None = Field(
+        None, description="task: score: the second text of each pair (the document; "
+        "template is the query), a Jinja template over the row's columns.")
+    system: str | None = Field(None, description="System message (chat models).")
+    chat: bool | None = Field(
+        None, description="Apply the model's chat template when it has one; default: yes "
+        "for task: generate, no for a pooling task (the text is embedded as it is).")
+    on_too_long: Literal["error", "skip", "truncate"] = Field(
+        "error",
+        description="A prompt that cannot fit max_model_len with max_tokens: mark the row "
+        "with an error, skip it (no generation, no error), or cut tokens from its middle.",
+    )
+    on_null: Literal["error", "empty"] = Field(
+        "error", description="A null in a template column: a row error, or an empty string."
+    )
+
+    @model_validator(mode="after")
+    def _template_or_messages(self) -> PromptConfig:
+        if (self.template is None) == (self.messages_column is None):
+            raise ValueError("give exactly one of template, messages_column")
+        return self
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy; vLLM allows "
+                               "at most 2.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    max_tokens: int = Field(256, gt=0)
+    max_tokens_column: str | None = Field(
+        None, description="A column holding each row's own max_tokens (at most max_tokens; "
+        "null: max_tokens).")
+    overrides_column: str | None = Field(
+        None, description="A column of JSON objects overriding sampling per row: "
+        "temperature, top_p, seed, stop, n, json_schema (Batch files use it).")
+    n: int = Field(1, ge=1, description="Samples per input row: one output row each, with a "
+                   "sample_index; each sample's seed derives from the job seed and the row id.")
+    min_tokens: int = Field(0, ge=0)
+    seed: int = Field(0, description="Job seed; each row's seed derives from it and the row id.")
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = Field(False, description="Generate exactly max_tokens (benchmarks).")
+    repetition_penalty: float = Field(
+        1.0, gt=0, le=2, description="vLLM's repetition penalty: above 1 discourages "
+        "tokens already in the prompt or output; 1 is off.")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI's presence "
+                                    "penalty; 0 is off.")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI's frequency "
+                                     "penalty; 0 is off.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end a generation, beside EOS.")
+
+
+class StructuredConfig(_Strict):
+    json_schema: dict[str, Any] | str | None = Field(
+        None, description="A JSON Schema (inline, or the path of a .json file); the output "
+        "is parsed into a struct column typed by it.")
+    choice: list[str] | None = Field(None, description="The allowed outputs, e.g. labels.")
+    regex: str | None = Field(None, description="A regex the whole output must match.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredConfig:
+        given = [k for k in ("json_schema", "choice", "regex") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json_schema, choice, regex"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+
+class OutputConfig(_Strict):
+    path: str = Field(description="Output directory of Parquet parts (created by the job).")
+    column: str = Field("generated", description="Name of the generated-text column.")
+    parsed_column: str = Field(
+        "parsed", description="With structured.json_schema: the struct column of parsed values.")
+    normalize: bool = Field(
+        True, description="task: embed: L2-normalize each vector (vLLM's default); false: "
+        "the model's pooled output as it is.")
+    dimensions: int | None = Field(
+        None, gt=0, description="task: embed: a Matryoshka model's shorter vectors, of this "
+        "length; default: the model's own.")
+    labels: list[str] | None = Field(
+        None, min_length=1, description="task: classify: names for the model's outputs, in "
+        "order; default: the model's id2label. Each label has a column prob_<label>.")
+    dedupe: bool = Field(
+        False, description="Drop a sample whose text repeats an earlier sample of the same "
+        "input row (with sampling.n > 1); the summary says how many.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Add a column (logprobs_column) holding each "
+        "generated token, its logprob and this many most likely alternatives; 0: the "
+        "tokens' own logprobs only. Under structured output these are after the grammar's "
+        "mask (the allowed tokens share all the probability).")
+    logprobs_column: str = Field("logprobs", description="Name of the logprobs column.")
+    confidence_column: str | None = Field(
+        "confidence", description="With structured.choice: a column with the probability "
+        "of the chosen label among the allowed labels, read from the same generation's "
+        "logprobs; null for none.")
+    keep_dropped: bool = Field(
+        False, description="A job with steps: also write the rows a step's filter dropped, "
+        "with the step's name in a column dropped_by (default: not written, counted).")
+    file_size_mb: float = Field(
+        128, gt=0, description="The finished output's files are about this size (MiB on "
+        "disk), in input order: the job's parts are compacted into them at the end.")
+
+
+class ResourcesConfig(_Strict):
+    replicas: int | Literal["auto"] = Field(
+        "auto", description="Engines to run (1 or more); auto = GPUs / tensor_parallel_size "
+        "(1 on CPU)."
+    )
+    batch_size: int = Field(256, gt=0, description="Rows per block and per output part.")
+    blocks_in_flight: int = Field(
+        4, ge=1, description="Blocks each engine holds at once, so it never drains between "
+        "blocks: a new block's requests join the running batch as soon as it arrives.")
+    address: str | None = Field(
+        None, description="An existing Ray cluster to run on: 'auto', 'HOST:PORT' or "
+        "'ray://HOST:10001'; default: a Ray started for the job on this machine. The project's "
+        "code is shipped to the workers (Ray runtime env); the engine must be installed there.")
+    accelerator_type: str | None = Field(
+        None, description="Pin engines to one kind of accelerator, e.g. A100, H100, MI300X "
+        "(Ray's accelerator_type).")
+
+    @field_validator("replicas")
+    @classmethod
+    def _an_engine_at_least(cls, value):
+        """0 (or fewer) engines passed as a count: the run divided by it once it had
+        started, and left its staging folder behind."""
+        if value != "auto" and value < 1:
+            raise ValueError("must be 1 or more, or auto")
+        return value
+
+
+class PricePerMTok(_Strict):
+    input: float = Field(ge=0, description="Price per million prompt tokens.")
+    output: float = Field(ge=0, description="Price per million output tokens.")
+
+
+class ReportConfig(_Strict):
+    price_per_mtok: PricePerMTok | None = Field(
+        None, description="A hosted batch API's prices, to say in the run report what the "
+        "same tokens would have cost there (no built-in price list: it would go stale).")
