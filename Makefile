@@ -4,7 +4,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test docs docs-serve bench clean
 
 setup:
 	@scripts/setup.sh
@@ -43,6 +43,15 @@ test: setup models/smollm2/config.json
 	$(BIN)/python -m pytest -q -m serial $(addprefix --ignore=,$(POOLING_TESTS))
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(POOLING_TESTS)
 
+# The documentation site, docs/ -> site/, with the config and CLI references generated from the
+# code (docs/gen_reference.py). --strict: a broken link or a page missing from the nav fails.
+docs: setup
+	$(BIN)/python -c "import mkdocs, material" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
 bench: setup
 	$(BIN)/python benchmarks/throughput.py
 
@@ -53,4 +62,4 @@ doctor:
 	  "run make setup (scripts/setup.sh --dry-run prints what it would install)"; fi
 
 clean:
-	rm -rf out models .pytest_cache
+	rm -rf out models .pytest_cache site
