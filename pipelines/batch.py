@@ -46,7 +46,7 @@ URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # Sampling fields a body may set beside temperature, top_p, n, seed and stop: OpenAI's
 # penalties and vLLM's extensions (udfs/predictor.RowOverrides carries them to the engine).
 EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "ignore_eos", "top_k",
-                  "min_tokens", "repetition_penalty", "stop_token_ids")
+                  "min_tokens", "repetition_penalty", "stop_token_ids", "logit_bias")
 # requests per row group of the prepared table, and their bytes at most (an embeddings line
 # may hold 2,048 inputs): memory stays flat, here and where the table is read
 CHUNK, CHUNK_BYTES = 10_000, 64 << 20
@@ -88,6 +88,8 @@ class _Body(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # token ids (as JSON keys) to a bias from -100 to 100 (udfs/predictor.RowOverrides checks)
+    logit_bias: dict[str, float] | None = None
     # vLLM's extensions
     ignore_eos: bool | None = None
     top_k: int | None = Field(None, ge=-1)
@@ -513,7 +515,10 @@ def served_name(model: str) -> str:
 def _result_line(samples: list[dict], model: str, created: int, token_bytes) -> dict:
     first = samples[0]
     custom_id, line = first[CUSTOM_ID], first[LINE]
-    failed = next((s for s in samples if s[columns.ERROR] is not None), None)
+    # (a thinking model's request without an answer is answered, content null, as vLLM's
+    # server answers it: its finish_reason says why)
+    failed = next((s for s in samples if s[columns.ERROR] is not None
+                   and s[columns.ERROR_KIND] != columns.ErrorKind.NO_ANSWER), None)
     if failed is not None:
         return _error_line(line, custom_id, failed[columns.ERROR_KIND], failed[columns.ERROR])
     if first[KIND] == embeddings.KIND:
@@ -524,19 +529,26 @@ def _result_line(samples: list[dict], model: str, created: int, token_bytes) -> 
                 "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
                              "body": body}, "error": None}
     chat = first[KIND] == "chat"
+    # a thinking model (model.reasoning_parser): the thinking beside the answer, as vLLM's
+    # server names it (message.reasoning), and its tokens in the usage
+    thinking = columns.REASONING_TOKENS in first
     choices = [
         {"index": i, "finish_reason": s[columns.FINISH_REASON],
          "logprobs": _openai_logprobs(s.get(LOGPROBS), chat, token_bytes),
-         **({"message": {"role": "assistant", "content": s["text"]}} if chat
+         **({"message": {"role": "assistant", "content": s["text"],
+                         **({"reasoning": s[REASONING]} if thinking else {})}} if chat
             else {"text": s["text"]})}
         for i, s in enumerate(samples)]
     prompt_tokens = first[columns.PROMPT_TOKENS] or 0
     completion = sum(s[columns.COMPLETION_TOKENS] or 0 for s in samples)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+             "total_tokens": prompt_tokens + completion}
+    if thinking:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+            s[columns.REASONING_TOKENS] or 0 for s in samples)}
     body = {"id": _id("chatcmpl" if chat else "cmpl", custom_id, line),
             "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion}}
+            "created": created, "model": model, "choices": choices, "usage": usage}
     return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
                          "body": body},
@@ -544,6 +556,7 @@ def _result_line(samples: list[dict], model: str, created: int, token_bytes) -> 
 
 
 LOGPROBS = "logprobs"  # the job's logprobs column (output.logprobs_column's default)
+REASONING = "reasoning"  # and its thinking's (output.reasoning_column's default)
 
 
 def _openai_logprobs(entries: list[dict] | None, chat: bool, token_bytes) -> dict | None:

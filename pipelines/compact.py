@@ -24,8 +24,9 @@ import pyarrow.parquet as pq
 from pipelines.errors import OutputError
 from pipelines.read.schema import _conform  # a block given the input's schema: the same cast
 from pipelines.storage import Location
-from pipelines.write import (COUNTED, Part, add_steps, count_part, list_parts, part_name,
-                             part_steps, read_part)
+from pipelines.write import (
+    COUNTED, COUNTED_IF_PRESENT, Part, add_steps, count_part, list_parts, part_name, part_steps,
+    read_part)
 from udfs import columns
 
 ROW_GROUP_BYTES = 64 << 20  # Arrow bytes buffered per row group written (readers like ~64 MiB)
@@ -96,7 +97,8 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
     is. Returns the file's counts."""
     target = staging / group.name
     if group.names == (group.name,):
-        return file_stats(_read_staged(target, columns=[*COUNTED, key_column]), key_column,
+        return file_stats(_read_staged(target, columns=[*COUNTED, key_column],
+                                       if_present=COUNTED_IF_PRESENT), key_column,
                           group.name)
     schemas = []
     for name in group.names:
@@ -134,11 +136,12 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
     return stats.result(group.name)
 
 
-def _read_staged(path: Location, columns: list[str] | None = None) -> pa.Table:
+def _read_staged(path: Location, columns: list[str] | None = None,
+                 if_present: tuple[str, ...] = ()) -> pa.Table:
     """A staged part; one that cannot be read (a disk fault, a file cut short outside our
     writes) is named, with what to do: its rows run again once it is gone."""
     try:
-        return read_part(path, columns=columns)
+        return read_part(path, columns=columns, if_present=if_present)
     except (OSError, pa.ArrowException) as exc:
         raise OutputError(f"{path}: this part cannot be read ({' '.join(str(exc).split())[:200]}"
                           "); remove it and run the same command again: its rows run "
@@ -168,7 +171,7 @@ class StatsBuilder:
     def __init__(self, key_column: str):
         self.key_column = key_column
         self.counts = {"input_rows": 0, "rows": 0, "skipped": 0, "prompt_tokens": 0,
-                       "completion_tokens": 0}
+                       "completion_tokens": 0, "reasoning_tokens": 0}
         self.errors: dict[str, int] = {}
         self.steps: list[dict] | None = None  # a job with steps: per-step counts
         self.values: dict[str, dict[int, int]] = {"prompt_tokens": {}, "completion_tokens": {}}
@@ -212,5 +215,6 @@ def file_stats(table: pa.Table, key_column: str, name: str = "") -> dict:
 def output_stats(folder: Location, key_column: str) -> list[dict]:
     """``file_stats`` of each file of a committed output, read in the driver one file at a
     time, only the columns counted (``overnight report`` on an output without its report)."""
-    return [file_stats(read_part(folder / part.name, columns=[*COUNTED, key_column]),
+    return [file_stats(read_part(folder / part.name, columns=[*COUNTED, key_column],
+                                 if_present=COUNTED_IF_PRESENT),
                        key_column, part.name) for part in list_parts(folder)[0]]

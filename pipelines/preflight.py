@@ -99,6 +99,8 @@ def plan_job(config: JobConfig) -> JobPlan:
     max_model_len = _resolve_model(config)
     if config.engine.kind == "vllm":
         _check_engine_args(config.engine.args)
+    if config.model.reasoning_parser is not None:
+        _check_reasoning_parser(config.model.reasoning_parser)
     if pooling is not None:
         from pipelines.pooling import max_seq_length
 
@@ -129,6 +131,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         messages_column=config_prompt.messages_column,
         keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
         max_tokens_column=config_sampling.max_tokens_column,
+        chat_template_kwargs=config_prompt.chat_template_kwargs,
     )
     engine_options = (_http_engine_options(config) if config.engine.kind == "http" else {
         "max_model_len": max_model_len,
@@ -137,6 +140,9 @@ def plan_job(config: JobConfig) -> JobPlan:
         "pipeline_parallel_size": config.model.pipeline_parallel_size,
         "trust_remote_code": config.model.trust_remote_code,
         **config.engine.model_dump(exclude={"kind", *RECOVERY_SETTINGS}),
+        **({"reasoning_parser": config.model.reasoning_parser,
+            "chat_template_kwargs": config_prompt.chat_template_kwargs}
+           if config.model.reasoning_parser else {}),
     })
     s = config.sampling
     confidence = config.confidence_column()
@@ -157,6 +163,8 @@ def plan_job(config: JobConfig) -> JobPlan:
         max_tokens_column=s.max_tokens_column, overrides_column=s.overrides_column,
         logprobs_column=config.logprobs_column(), logprobs=config.output.logprobs,
         confidence_column=confidence, confidence_top_k=top_for_confidence,
+        logit_bias=tuple(sorted((s.logit_bias or {}).items())),
+        reasoning_column=config.reasoning_column(),
     )
     kind = config.engine.kind
     if pooling is not None and kind == "vllm":
@@ -164,9 +172,10 @@ def plan_job(config: JobConfig) -> JobPlan:
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(kind, config.model.name, engine_options),
                    sampling=sampling, structured=structured, pooling=pooling, steps=steps,
-                   # as recorded: no credentials (a resume compares it with the record's)
-                   fingerprint=scrub_record(_fingerprint(config, plan, max_model_len,
-                                                         structured)))
+                   # as recorded: no credentials, and as JSON keeps it (a resume compares it
+                   # with the record's: a logit_bias's token ids come back as strings)
+                   fingerprint=json.loads(json.dumps(scrub_record(_fingerprint(
+                       config, plan, max_model_len, structured)), default=str)))
 
 
 def _name_apart(schema: pa.Schema, earlier: dict, config: JobConfig) -> pa.Schema:
@@ -455,6 +464,44 @@ def _check_engine_args(args: dict) -> None:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"engine.args.{unknown[0]}: not an argument of vllm.LLM or its "
                           f"EngineArgs{hint}")
+
+
+def _check_reasoning_parser(name: str) -> None:
+    """model.reasoning_parser names one of vLLM's reasoning parsers (read from its source,
+    as the engine's arguments are): a wrong name is one line listing them, before any
+    engine starts."""
+    known = vllm_reasoning_parsers()
+    if known is not None and name not in known:
+        import difflib
+
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"model.reasoning_parser {name!r} is not one of vLLM's reasoning "
+                          f"parsers; {hint}vLLM has: {', '.join(sorted(known))}")
+
+
+@functools.cache
+def vllm_reasoning_parsers() -> frozenset[str] | None:
+    """The names vLLM registers its reasoning parsers under (``vllm/reasoning/__init__.py``,
+    ``_REASONING_PARSERS_TO_REGISTER``), read from its source, not imported; None where vLLM
+    is not installed here or its source is laid out otherwise."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+        root = Path(next(iter(spec.submodule_search_locations)))
+        tree = ast.parse((root / "reasoning" / "__init__.py").read_text())
+    except (AttributeError, StopIteration, TypeError, OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(isinstance(n, ast.Name) and n.id == "_REASONING_PARSERS_TO_REGISTER"
+               for n in targets) and isinstance(node.value, ast.Dict):
+            names = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+            return frozenset(names) or None
+    return None
 
 
 @functools.cache

@@ -24,7 +24,6 @@ from pipelines.errors import OutputError
 from pipelines.storage import Location, scrub_record
 from pipelines.write import OutputStore, list_parts
 from udfs import columns
-from udfs.columns import FinishReason
 
 EXAMPLES = 3  # example ids per error kind
 HISTOGRAM_BINS = 20
@@ -40,9 +39,9 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     """The report of a committed output. ``record`` is the job record (config, fingerprint);
     ``timings`` ({started, planned, ray_ready, finished}, Unix seconds) and ``times`` (this
     run's part records from the writer, added up) add the time split and the throughput;
-    ``samples`` (the replicas' live token counts over time) the throughput over time. ``stats``: each
-    output file's counts (pipelines/compact.py), as the compaction returned them; without
-    them they are counted from the output, a file at a time."""
+    ``samples`` (the replicas' live token counts over time) the throughput over time.
+    ``stats``: each output file's counts (pipelines/compact.py), as the compaction returned
+    them; without them they are counted from the output, a file at a time."""
     from pipelines.compact import output_stats
 
     config = record.get("config", {})
@@ -93,6 +92,15 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     }
     if steps:  # a job with steps: each step's rows in and out, dropped, errors, tokens, time
         report["steps"] = steps
+    if (config.get("model") or {}).get("reasoning_parser"):
+        # a thinking model: its output tokens split, thinking and answer (the hosted cost
+        # counts both, as hosted APIs bill them), and the rows it thought away
+        thinking = sum(f.get("reasoning_tokens", 0) for f in stats)
+        out = report["tokens"]["output"]["total"]
+        no_answer = errors.get(columns.ErrorKind.NO_ANSWER, {}).get("count", 0)
+        report["reasoning"] = {"reasoning_tokens": thinking, "answer_tokens": out - thinking,
+                               "no_answer_rows": no_answer,
+                               "no_answer_share": round(no_answer / rows, 4) if rows else 0.0}
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
     if timings and times is not None:
         report.update(_times(timings, times))
@@ -333,6 +341,13 @@ def report_lines(report: dict) -> list[str]:
         s = tok[name]
         lines.append(f"{label:<13}total {s['total']:,}  mean {_num(s['mean'])}  p50 "
                      f"{_num(s['p50'])}  p95 {_num(s['p95'])}")
+    r = report.get("reasoning")
+    if r:
+        out = r["reasoning_tokens"] + r["answer_tokens"]
+        share = f" ({r['reasoning_tokens'] / out:.0%} of the output)" if out else ""
+        lines.append(f"reasoning    {r['reasoning_tokens']:,} thinking tokens{share}, "
+                     f"{r['answer_tokens']:,} answer; {r['no_answer_rows']:,} rows without an "
+                     f"answer ({r['no_answer_share']:.1%})")
     t = report.get("time")
     if t:
         lines.append(f"time         {t['total_s']:.1f} s = start-up {t['startup_s']:.1f} s "

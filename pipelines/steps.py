@@ -62,14 +62,19 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
             max_tokens=s.max_tokens, system=p.system, chat=p.chat if p.chat is not None else True,
             on_too_long=p.on_too_long, on_null=p.on_null,
             trust_remote_code=config.model.trust_remote_code, messages_column=p.messages_column,
-            keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat")
+            keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
+            chat_template_kwargs=p.chat_template_kwargs)
         sampling = SamplingSpec(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, stop_token_ids=tuple(s.stop_token_ids),
             key_column=_KEY, structured=structured.engine_params() if structured else None,
-            n=s.n)
+            n=s.n, logit_bias=tuple(sorted((s.logit_bias or {}).items())),
+            # a thinking model's: the step's thinking in C_reasoning (udfs/steps.py)
+            reasoning_column=(columns.step_column(step.output_column, columns.STEP_REASONING)
+                              if config.model.reasoning_parser else None),
+            budget_key=f"steps.{i}.sampling.max_tokens")
         spec = StepSpec(name=step.name, column=step.output_column, where=step.where,
                         render=render, sampling=sampling, structured=structured,
                         explode=step.explode, fan_out=step.explode or s.n > 1)
@@ -89,7 +94,8 @@ def _check_prompt(step: StepConfig, fields: dict, where: str, config: JobConfig)
             raise ConfigError(f"{where}: prompt.template does not parse{line}: {exc}") from None
     missing = [v for v in variables if v not in fields]
     if missing:
-        later = [s.name for s in config.steps if missing[0] in s.added_columns()]
+        thinking = config.model.reasoning_parser is not None
+        later = [s.name for s in config.steps if missing[0] in s.added_columns(thinking)]
         why = (f"a column of step {later[0]!r}, which comes later" if later
                else "not a column of the input or of an earlier step")
         raise InputError(f"{where}: prompt uses {missing[0]!r}: {why}; the step can use: "

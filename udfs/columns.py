@@ -17,6 +17,9 @@ COMPLETION_TOKENS = "completion_tokens"
 ERROR_KIND = "error_kind"  # a short code: see ErrorKind
 ERROR = "error"  # null when the row succeeded; else one line saying what went wrong
 GENERATED = (FINISH_REASON, PROMPT_TOKENS, COMPLETION_TOKENS, ERROR_KIND, ERROR)
+# With model.reasoning_parser: the tokens of completion_tokens the model spent thinking (its
+# thinking itself is in output.reasoning_column), after completion_tokens
+REASONING_TOKENS = "reasoning_tokens"
 
 # Internal: the row's 0-based position in the whole input, across files. Orders the output
 # and names the parts, so a resumed job knows which rows are done without reading them.
@@ -47,6 +50,9 @@ class ErrorKind:
     OVERRIDES = "invalid_overrides"  # the row's sampling overrides (overrides_column) are bad
     PARSE = "parse_error"  # structured output did not parse or validate (e.g. cut off)
     FILTER = "filter_error"  # a step's where cannot be evaluated on this row's values
+    # a thinking model (model.reasoning_parser) ended before its answer: its thinking used
+    # all of max_tokens, or it stopped while thinking; its thinking is kept
+    NO_ANSWER = "no_answer"
 
 
 class FinishReason:
@@ -65,6 +71,7 @@ PROBABILITY_PREFIX = "prob_"
 # columns above (GENERATED) then hold the row's totals: its tokens over every step, the first
 # error (naming its step), the last step's finish reason.
 STEP_META = (FINISH_REASON, PROMPT_TOKENS, COMPLETION_TOKENS)
+STEP_REASONING = "reasoning"  # with a reasoning parser: a step's thinking, C_reasoning
 DROPPED_BY = "dropped_by"  # with output.keep_dropped: the step whose filter dropped the row
 DROPPED = "__overnight_dropped"  # internal: the row was dropped by a step's filter
 STEP_COUNTS = "__overnight_step_counts"  # internal: a block's per-step counts (JSON)

@@ -45,6 +45,11 @@ class GenerationRequest:
     structured: dict | None = None
     # The same prompt as chat messages, for an engine that applies the chat template itself
     messages: list[dict] | None = None
+    # Added to these tokens' logits at every step: ((token id, bias), ...), OpenAI's logit_bias
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The chat template's switches its prompt was rendered with (prompt.chat_template_kwargs),
+    # which a reasoning parser reads as vLLM's chat path gives them (Qwen3's enable_thinking)
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,13 @@ class GenerationResult:
     # With request.logprobs: one TokenLogprob per generated token, as plain dicts (the
     # Arrow struct of the logprobs column: token, token_id, logprob, top)
     logprobs: list[dict] | None = None
+    # An engine with a reasoning parser (a thinking model): ``text`` is the answer alone
+    # (None where the model did not get to one), ``reasoning`` the thinking (None where it did
+    # not think), ``reasoning_tokens`` the tokens of it, and ``answer_start`` the index of the
+    # answer's first token among the generated ones (``logprobs[answer_start:]`` are its own)
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
+    answer_start: int = 0
 
 
 def token_logprob(token: str | None, token_id: int | None, logprob: float,

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from udfs import columns
 from udfs.columns import ErrorKind
@@ -57,6 +57,11 @@ class SamplingSpec:
     # alternatives it needs (udfs/logprobs.confidence_top_k)
     confidence_column: str | None = None
     confidence_top_k: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # ((token id, bias), ...)
+    # With a reasoning parser (a thinking model): the column of each row's thinking; its
+    # answer is the output column, its thinking tokens columns.REASONING_TOKENS
+    reasoning_column: str | None = None
+    budget_key: str = "sampling.max_tokens"  # where the config sets max_tokens, for errors
 
 
 class RowOverrides(BaseModel):
@@ -79,6 +84,21 @@ class RowOverrides(BaseModel):
     presence_penalty: float = Field(None, ge=-2, le=2)
     frequency_penalty: float = Field(None, ge=-2, le=2)
     stop_token_ids: list[int] = None
+    # OpenAI's logit_bias: token ids (JSON object keys, so strings) to a bias in [-100, 100]
+    logit_bias: dict[str, float] = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_ids_and_biases(cls, value):
+        if not isinstance(value, dict):
+            return value
+        for token, bias in value.items():
+            if not str(token).isdigit():
+                raise ValueError(f"{token!r} is not a token id")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not -100 <= bias <= 100:
+                raise ValueError(f"token {token}: the bias must be a number from -100 to 100")
+        return {str(k): float(v) for k, v in value.items()}
 
     @classmethod
     def of(cls, value, struct: bool = False) -> dict:
@@ -103,6 +123,15 @@ class RowOverrides(BaseModel):
             got = f" (got {first['input']!r})" if "input" in first and key else ""
             raise ValueError(f"{key}: {first['msg']}{got}"[:300]) from None
         return parsed.model_dump(include=parsed.model_fields_set)
+
+
+def no_answer(result, budget_key: str = "sampling.max_tokens") -> str:
+    """A thinking model's row without an answer, in one line: why, and what to do."""
+    if result.finish_reason == "length":
+        return (f"no answer: the thinking used all {result.completion_tokens} tokens of "
+                "max_tokens (which covers thinking and answer); run it again with a larger "
+                f"budget: --retry-errors --set {budget_key}=N")
+    return f"no answer: the model ended while thinking (finish_reason {result.finish_reason})"
 
 
 def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
@@ -172,6 +201,11 @@ class Predictor:
             logprobs=top if self._top(overrides) is not None or s.confidence_top_k else None,
             structured={"json": schema} if schema is not None else s.structured,
             messages=json.loads(messages) if messages is not None else None,
+            logit_bias=(tuple((int(k), v) for k, v in overrides["logit_bias"].items())
+                        if overrides.get("logit_bias") is not None else s.logit_bias),
+            # its own prompt's ({} for none: not the engine's, which are the first step's)
+            chat_template_kwargs=(self.renderer.spec.chat_template_kwargs or {}
+                                  if self.renderer is not None else None),
         )
 
     def _top(self, overrides: dict) -> int | None:
@@ -195,8 +229,10 @@ class Predictor:
             labels = (s.structured or {}).get("choice") or ()
             values = [None] * rows
             for i, result in zip(todo, results):
-                if result.error is None:
-                    values[i] = label_confidence(labels, result.text, result.logprobs)
+                if result.error is None and result.text is not None:
+                    # the answer's own tokens: a thinking model's thinking comes before it
+                    values[i] = label_confidence(labels, result.text,
+                                                 result.logprobs[result.answer_start:])
             added.append((s.confidence_column, pa.array(values, pa.float64())))
         return added
 
@@ -242,12 +278,19 @@ class Predictor:
             if kinds[i] is None:  # a render error found first stands
                 kinds[i], errors[i] = ErrorKind.OVERRIDES, f"{self.sampling.overrides_column}: " \
                     f"{message}"
+        thinking = self.sampling.reasoning_column is not None
+        reasoning, reasoning_tokens = [None] * rows, [None] * rows
         for i, result in zip(todo, results):
             if result.error is not None:
                 kinds[i], errors[i] = result.error_kind or ErrorKind.ENGINE, result.error
                 continue
             text[i], finish[i], completion[i] = (result.text, result.finish_reason,
                                                  result.completion_tokens)
+            if thinking:
+                reasoning[i], reasoning_tokens[i] = result.reasoning, result.reasoning_tokens
+                if result.text is None:  # it thought and did not answer: retried with room
+                    kinds[i] = ErrorKind.NO_ANSWER
+                    errors[i] = no_answer(result, self.sampling.budget_key)
         batch = batch.drop_columns([c for c in (columns.PROMPT_TOKEN_IDS, columns.PROMPT_MESSAGES,
                                                 columns.FINISH_REASON, columns.ERROR_KIND,
                                                 columns.ERROR) if c in batch.column_names])
@@ -259,6 +302,11 @@ class Predictor:
         rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
         for name, values in self._scores(todo, results, overrides, rows):
             batch = batch.append_column(name, values)
+        if thinking:
+            batch = (batch.append_column(self.sampling.reasoning_column,
+                                         pa.array(reasoning, pa.string()))
+                     .append_column(columns.REASONING_TOKENS,
+                                    pa.array(reasoning_tokens, pa.int64())))
         release_free_memory()
         return (batch
                 .append_column(columns.REPLICA, rows_of(self.replica, pa.string()))

@@ -172,6 +172,8 @@ class RenderSpec:
     # itself (the HTTP engine's chat endpoint); the token ids still decide length and errors.
     keep_messages: bool = False
     max_tokens_column: str | None = None  # a row's own max_tokens: its prompt may use the rest
+    # the chat template's own switches (enable_thinking...), as vLLM's chat path passes them
+    chat_template_kwargs: dict | None = None
 
 
 def _decoded(value):
@@ -269,7 +271,8 @@ class PromptRenderer:
         if raw is not None:
             return raw
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=True,
+                                                  **(self.spec.chat_template_kwargs or {}))
 
     @staticmethod
     def fill_nulls(row: dict) -> dict:

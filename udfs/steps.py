@@ -25,9 +25,12 @@ only with ``output.keep_dropped``.
 
 Each step's columns are named after its output column C (udfs/columns.py): C, then
 C_finish_reason, C_prompt_tokens, C_completion_tokens; with a JSON Schema C holds the parsed
-value and C_text the raw text; with fan-out C_index numbers a row's rows. The job-level
-columns hold each row's totals. Every request's seed derives from the job's seed, the step and
-the row's place in the fan-out, so a resumed or re-run job generates the same rows.
+value and C_text the raw text; with fan-out C_index numbers a row's rows; with a reasoning
+parser (a thinking model) C is the answer, C_reasoning the thinking and C_reasoning_tokens its
+tokens, and a row whose thinking used the step's budget is that step's ``no_answer`` error.
+The job-level columns hold each row's totals. Every request's seed derives from the job's
+seed, the step and the row's place in the fan-out, so a resumed or re-run job generates the
+same rows.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ _PARSED = "__overnight_step_parsed"  # a structured step's parsed value, before 
 _KIND, _ERROR = "__overnight_step_error_kind", "__overnight_step_error"
 _FINISH = "__overnight_step_finish"
 _PROMPT, _COMPLETION = "__overnight_step_prompt_tokens", "__overnight_step_completion_tokens"
+_REASONING = "__overnight_step_reasoning_tokens"
 _DROPPED_BY = "__overnight_step_dropped_by"
-_TOTALS = (_KIND, _ERROR, _FINISH, _PROMPT, _COMPLETION, _DROPPED_BY)
+_TOTALS = (_KIND, _ERROR, _FINISH, _PROMPT, _COMPLETION, _REASONING, _DROPPED_BY)
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ class StepsPredictor:
         for name, type_ in ((_KIND, pa.string()), (_ERROR, pa.string()),
                             (_FINISH, pa.string()), (_DROPPED_BY, pa.string())):
             state = state.append_column(name, pa.nulls(n, type_))
-        for name in (_PROMPT, _COMPLETION):
+        for name in (_PROMPT, _COMPLETION, _REASONING):
             state = state.append_column(name, pa.array([0] * n, pa.int64()))
         counts = []
         for step in self.steps:
@@ -221,6 +225,9 @@ class StepsPredictor:
         if step.name in self.parsers:
             out = self.parsers[step.name](out)
         meta = {m: columns.step_column(c, m) for m in columns.STEP_META}
+        thinking = step.sampling.reasoning_column is not None
+        if thinking:  # the step's thinking is already in C_reasoning; its tokens are its own
+            meta[columns.REASONING_TOKENS] = columns.step_column(c, columns.REASONING_TOKENS)
         kinds = out.column(columns.ERROR_KIND).to_pylist()
         errors = out.column(columns.ERROR).to_pylist()
         if step.structured is not None and step.structured.json_schema is not None:
@@ -242,7 +249,8 @@ class StepsPredictor:
             [None if e is None else f"step {step.name}: {e}" for e in errors], pa.string()))
         out = _replace(out, _FINISH, out.column(columns.FINISH_REASON))
         for total, own in ((_PROMPT, columns.PROMPT_TOKENS),
-                           (_COMPLETION, columns.COMPLETION_TOKENS)):
+                           (_COMPLETION, columns.COMPLETION_TOKENS),
+                           *((_REASONING, columns.REASONING_TOKENS),) * thinking):
             out = _replace(out, total, pc.add(out.column(total),
                                               pc.fill_null(out.column(own), 0)))
         out = out.drop_columns([columns.ERROR_KIND, columns.ERROR, columns.REPLICA,
@@ -257,17 +265,19 @@ class StepsPredictor:
         if self.keep_dropped:
             out = out.append_column(columns.DROPPED_BY, state.column(_DROPPED_BY))
         of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
-        return (out
-                .append_column(columns.DROPPED, pc.is_valid(state.column(_DROPPED_BY)))
-                .append_column(columns.STEP_COUNTS, of(json.dumps(counts), pa.string()))
-                .append_column(columns.REPLICA, of(base.replica, pa.string()))
-                .append_column(columns.READY_AT, of(base.ready_at, pa.float64()))
-                .append_column(columns.DONE_AT, of(time.time(), pa.float64()))
-                .append_column(columns.FINISH_REASON, state.column(_FINISH))
-                .append_column(columns.PROMPT_TOKENS, state.column(_PROMPT))
-                .append_column(columns.COMPLETION_TOKENS, state.column(_COMPLETION))
-                .append_column(columns.ERROR_KIND, state.column(_KIND))
-                .append_column(columns.ERROR, state.column(_ERROR)))
+        out = (out
+               .append_column(columns.DROPPED, pc.is_valid(state.column(_DROPPED_BY)))
+               .append_column(columns.STEP_COUNTS, of(json.dumps(counts), pa.string()))
+               .append_column(columns.REPLICA, of(base.replica, pa.string()))
+               .append_column(columns.READY_AT, of(base.ready_at, pa.float64()))
+               .append_column(columns.DONE_AT, of(time.time(), pa.float64())))
+        totals = [(columns.FINISH_REASON, _FINISH), (columns.PROMPT_TOKENS, _PROMPT),
+                  (columns.COMPLETION_TOKENS, _COMPLETION)]
+        if any(s.sampling is not None and s.sampling.reasoning_column for s in self.steps):
+            totals.append((columns.REASONING_TOKENS, _REASONING))  # over the thinking steps
+        for name, total in [*totals, (columns.ERROR_KIND, _KIND), (columns.ERROR, _ERROR)]:
+            out = out.append_column(name, state.column(total))
+        return out
 
     def close(self) -> None:
         if self.base is not None:
@@ -289,9 +299,13 @@ def step_types(step: StepSpec, index: bool = True) -> dict[str, pa.DataType]:
         types[columns.step_column(c, "text")] = pa.string()
     if index and step.fan_out:
         types[columns.step_column(c, "index")] = pa.int32()
+    if step.sampling.reasoning_column is not None:
+        types[step.sampling.reasoning_column] = pa.string()
     types.update({columns.step_column(c, columns.FINISH_REASON): pa.string(),
                   columns.step_column(c, columns.PROMPT_TOKENS): pa.int64(),
                   columns.step_column(c, columns.COMPLETION_TOKENS): pa.int64()})
+    if step.sampling.reasoning_column is not None:
+        types[columns.step_column(c, columns.REASONING_TOKENS)] = pa.int64()
     return types
 
 

@@ -6,6 +6,7 @@ takes seconds).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import os
@@ -28,10 +29,13 @@ def on_cpu() -> bool:
 class VLLMEngine:
     """Options (``spec.options``): max_model_len, dtype, tensor_parallel_size, trust_remote_code,
     kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, multiprocessing, cpu_threads,
-    structured_outputs, max_logprobs, args."""
+    structured_outputs, max_logprobs, reasoning_parser, chat_template_kwargs, args."""
 
     def __init__(self, spec: EngineSpec):
         opts = dict(spec.options)
+        reasoning_parser = opts.pop("reasoning_parser", None)
+        # the chat template's switches, which a reasoning parser may read (enable_thinking)
+        self.chat_template_kwargs = opts.pop("chat_template_kwargs", None)
         multiprocessing = opts.pop("multiprocessing", None)
         threads = opts.pop("cpu_threads", None)  # given for CPU engines only
         if threads:
@@ -102,6 +106,9 @@ class VLLMEngine:
             kv_bytes = 1 << 30  # vLLM's own memory check fails on CPU; give it a size
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_bytes
+        if reasoning_parser:
+            # vLLM's structured outputs then apply after the thinking, as its server does
+            kwargs["reasoning_parser"] = reasoning_parser
         kwargs.update(opts.pop("args", {}))
         if opts:
             raise ValueError(f"unknown vllm engine options: {sorted(opts)}")
@@ -112,6 +119,8 @@ class VLLMEngine:
                                              build_there=cpu)
         # what the engine computes in, as the run report names it
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        self.reasoning = (Reasoning(self.llm, reasoning_parser, self.chat_template_kwargs)
+                          if reasoning_parser else None)
 
     @staticmethod
     def stepper_class() -> type[_Stepper]:
@@ -132,6 +141,7 @@ class VLLMEngine:
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             stop_token_ids=list(req.stop_token_ids) or None,
+            logit_bias=dict(req.logit_bias) or None,
             logprobs=req.logprobs,
             structured_outputs=(self._vllm.sampling_params.StructuredOutputsParams(
                 **req.structured) if req.structured else None),
@@ -324,7 +334,9 @@ class _Stepper:
 
     def _finish(self, batch: _Batch, index: int, out) -> None:
         """A request's final output: its result to its batch, its counts to the progress."""
-        result = _result(out, batch.requests[index].logprobs)
+        request = batch.requests[index]
+        result = _result(out, request.logprobs, self.engine.reasoning,
+                         request.chat_template_kwargs)
         batch.set(index, result)
         self.requests_done += 1
         self.tokens_finished += result.completion_tokens
@@ -414,14 +426,87 @@ def _default(value, fallback):
     return fallback if value is None else value
 
 
-def _result(out, top: int | None = None) -> GenerationResult:
+def _result(out, top: int | None = None, reasoning: Reasoning | None = None,
+            chat_template_kwargs: dict | None = None) -> GenerationResult:
     completion = out.outputs[0]
-    return GenerationResult(
+    result = GenerationResult(
         text=completion.text,
         finish_reason=completion.finish_reason,
         completion_tokens=len(completion.token_ids),
         logprobs=None if top is None else _logprobs(completion, top),
     )
+    return result if reasoning is None else reasoning.split(
+        result, out.prompt_token_ids, completion, chat_template_kwargs)
+
+
+class Reasoning:
+    """A thinking model's output split into its thinking and its answer by vLLM's own parser,
+    as vLLM's server and ``run_batch --reasoning-parser`` split it: the same parser class
+    (``ParserManager.get_parser``), built per request with the chat template's switches its
+    prompt was rendered with (the job's, or a step's own), told the prompt's token ids, and
+    its ``parse`` and ``count_reasoning_tokens`` on the output."""
+
+    def __init__(self, llm, name: str, chat_template_kwargs: dict | None):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.parser.parser_manager import ParserManager
+
+        self.tokenizer = llm.get_tokenizer()
+        self.model_config = llm.llm_engine.model_config
+        self.chat_template_kwargs = chat_template_kwargs
+        self.parser_cls = ParserManager.get_parser(
+            reasoning_parser_name=name, model_name=self.model_config.model,
+            is_harmony=self.model_config.hf_config.model_type == "gpt_oss",
+            tokenizer=self.tokenizer)
+        # what the parser reads of a request: its template switches; reasoning included
+        self.request = ChatCompletionRequest(
+            messages=[{"role": "user", "content": ""}], model=self.model_config.model,
+            chat_template_kwargs=chat_template_kwargs)
+        parser = self.parser_cls(self.tokenizer, None, model_config=self.model_config,
+                                 chat_template_kwargs=chat_template_kwargs).reasoning_parser
+        self.start_token_id, self.end_token_id = (_marker(parser, which)
+                                                  for which in ("start", "end"))
+
+    def split(self, result: GenerationResult, prompt_token_ids, completion,
+              chat_template_kwargs: dict | None = None) -> GenerationResult:
+        kwargs = self.chat_template_kwargs if chat_template_kwargs is None \
+            else chat_template_kwargs
+        parser = self.parser_cls(self.tokenizer, None, model_config=self.model_config,
+                                 chat_template_kwargs=kwargs)
+        if prompt_token_ids is not None:
+            parser.set_prompt_token_ids(prompt_token_ids)
+        token_ids = list(completion.token_ids)
+        same = (kwargs or {}) == (self.chat_template_kwargs or {})
+        request = self.request if same else \
+            self.request.model_copy(update={"chat_template_kwargs": kwargs})
+        reasoning, content, _ = parser.parse(result.text, request,
+                                             enable_auto_tools=False,
+                                             model_output_token_ids=token_ids)
+        closed = self.end_token_id is not None and self.end_token_id in token_ids
+        start = (token_ids.index(self.end_token_id) + 1 if closed
+                 else len(token_ids) if content is None else 0)
+        counted = parser.count_reasoning_tokens(token_ids)
+        if reasoning and self.end_token_id is not None:
+            # vLLM counts the tokens between a <think> and a </think> of the output only:
+            # where the chat template opened the thinking in the prompt (DeepSeek-R1's,
+            # this project's tiny thinking model) it counts none. The thinking's tokens are
+            # those before the end of the thinking, less the markers.
+            marks = (self.start_token_id, self.end_token_id)
+            counted = max(counted, sum(1 for token in token_ids[:start - 1 if closed else start]
+                                       if token not in marks))
+        return dataclasses.replace(result, text=content, reasoning=reasoning,
+                                   reasoning_tokens=counted, answer_start=start)
+
+
+def _marker(parser, which: str) -> int | None:
+    """The token id that starts or ends the thinking, for a parser that has one: a thinking
+    parser's own (``end_token_id``), or its parser engine's (Qwen3's)."""
+    engine = getattr(parser, "_parser_engine", None)
+    for owner, name in ((parser, f"{which}_token_id"),
+                        (engine, f"_reasoning_{which}_token_id")):
+        value = getattr(owner, name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def _logprobs(completion, top: int) -> list[dict]:

@@ -70,18 +70,22 @@ class JobConfig(_Strict):
         wrong = [f"sampling.{k}" for k in _changed(self.sampling)]
         wrong += ["structured"] * (self.structured is not None)
         wrong += [f"output.{k}" for k in ("column", "parsed_column", "dedupe", "logprobs",
-                                           "logprobs_column", "confidence_column")
+                                           "logprobs_column", "confidence_column",
+                                           "reasoning_column")
                   if k in _changed(self.output)]
         if wrong:
             raise ValueError(f"{wrong[0]} does not apply to a job with steps; give each "
                              "step its own (steps[].sampling, steps[].structured, "
                              "steps[].column)")
         names, taken = set(), set(columns.GENERATED) | {columns.DROPPED_BY, columns.ROW_ID}
+        thinking = self.model.reasoning_parser is not None
+        if thinking:
+            taken.add(columns.REASONING_TOKENS)
         for i, step in enumerate(self.steps):
             if step.name in names:
                 raise ValueError(f"steps[{i}].name {step.name!r} is used by an earlier step")
             names.add(step.name)
-            for name in step.added_columns():
+            for name in step.added_columns(thinking):
                 if name in taken:
                     raise ValueError(f"steps[{i}] ({step.name}) would add a column {name!r}, "
                                      "which the job already has; name the step or its "
@@ -132,10 +136,30 @@ class JobConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _reasoning_applies(self) -> JobConfig:
+        """A reasoning parser splits generated text: one line where there is none to split,
+        or where overnight cannot split it yet."""
+        if self.model.reasoning_parser is None:
+            if "reasoning_column" in self.output.model_fields_set:
+                raise ValueError("output.reasoning_column needs model.reasoning_parser")
+            return self
+        if self.task != "generate":
+            raise ValueError(f"model.reasoning_parser does not apply to task: {self.task} "
+                             "(no text is generated); remove it")
+        if self.engine.kind == "http":
+            raise ValueError("model.reasoning_parser does not apply to engine.kind: http yet: "
+                             "start the server with --reasoning-parser, and read its answer "
+                             "as the server sends it")
+        return self
+
+    @model_validator(mode="after")
     def _truncation_needs_tokens(self) -> JobConfig:
         # the server applies the chat template to whole messages: a prompt cut to fit as
         # tokens cannot be sent as messages
         chat = self.engine.kind == "http" and self.engine.endpoint == "chat"
+        if chat and any(p.chat_template_kwargs for p in self.prompts()):
+            raise ValueError("prompt.chat_template_kwargs needs engine.endpoint: completions "
+                             "(with endpoint: chat the server applies its own template)")
         if chat and any(p.on_too_long == "truncate" for p in self.prompts()):
             raise ValueError("prompt.on_too_long: truncate needs engine.endpoint: completions "
                              "(with endpoint: chat the server gets whole messages); or use "
@@ -151,8 +175,9 @@ class JobConfig(_Strict):
         if self.output.parsed_column in (*columns.GENERATED, self.output.column):
             raise ValueError(f"output.parsed_column {self.output.parsed_column!r} is taken; "
                              "choose another name")
-        taken = [*columns.GENERATED, self.output.column, self.output.parsed_column]
-        for key in ("logprobs_column", "confidence_column"):
+        taken = [*columns.GENERATED, columns.REASONING_TOKENS, self.output.column,
+                 self.output.parsed_column]
+        for key in ("logprobs_column", "confidence_column", "reasoning_column"):
             name = getattr(self.output, key)
             if name is not None and name in taken:
                 raise ValueError(f"output.{key} {name!r} is taken; choose another name")
@@ -169,6 +194,10 @@ class JobConfig(_Strict):
         """The logprobs column, when the job writes one: asked for, or rows may ask."""
         return self.output.logprobs_column if self.output.logprobs is not None else None
 
+    def reasoning_column(self) -> str | None:
+        """The thinking's column, with a reasoning parser."""
+        return self.output.reasoning_column if self.model.reasoning_parser else None
+
     def confidence_column(self) -> str | None:
         """The confidence column, with structured.choice."""
         choice = self.structured is not None and self.structured.choice is not None
@@ -177,14 +206,22 @@ class JobConfig(_Strict):
     def generated_columns(self) -> list[str]:
         """The columns the job adds to every source row, in output order."""
         if self.steps is not None:
-            added = [c for step in self.steps for c in step.added_columns()]
-            added += [columns.DROPPED_BY] * self.output.keep_dropped + list(columns.GENERATED)
+            thinking = self.model.reasoning_parser is not None
+            added = [c for step in self.steps for c in step.added_columns(thinking)]
+            totals = list(columns.GENERATED)
+            if thinking:  # the row's thinking tokens over its steps
+                totals.insert(totals.index(columns.COMPLETION_TOKENS) + 1,
+                              columns.REASONING_TOKENS)
+            added += [columns.DROPPED_BY] * self.output.keep_dropped + totals
             return ([columns.ROW_ID] if self.input.id_column is None else []) + added
         if self.task != "generate":
             return self._pooling_columns()
         added = [self.output.column, *columns.GENERATED]
         if self.structured is not None and self.structured.json_schema is not None:
             added.insert(1, self.output.parsed_column)
+        if self.reasoning_column() is not None:  # the thinking after the answer's columns
+            added.insert(added.index(columns.FINISH_REASON), self.reasoning_column())
+            added.insert(added.index(columns.COMPLETION_TOKENS) + 1, columns.REASONING_TOKENS)
         for scores in (self.confidence_column(), self.logprobs_column()):
             if scores is not None:
                 added.insert(added.index(columns.FINISH_REASON), scores)

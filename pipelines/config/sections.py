@@ -35,6 +35,14 @@ class ModelConfig(_Strict):
         1, ge=1, description="Pipeline stages per engine; an engine holds tensor_parallel_size "
         "x pipeline_parallel_size GPUs, reserved together on one node.")
     trust_remote_code: bool = Field(False, description="Allow the model's own Python code.")
+    reasoning_parser: str | None = Field(
+        None, description="A thinking model's reasoning parser, one of vLLM's (deepseek_r1, "
+        "qwen3, openai_gptoss, ...): output.column then holds the answer only, "
+        "output.reasoning_column the thinking, reasoning_tokens their count; structured "
+        "output applies to the answer, after the thinking, as in vLLM. A row whose thinking "
+        "used all of max_tokens (which covers thinking and answer) has no answer: its "
+        "error_kind is no_answer, its thinking kept (--retry-errors with a larger max_tokens "
+        "runs it again).")
 
 
 class PromptConfig(_Strict):
@@ -61,6 +69,10 @@ class PromptConfig(_Strict):
     on_null: Literal["error", "empty"] = Field(
         "error", description="A null in a template column: a row error, or an empty string."
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="The chat template's own switches, passed to it as vLLM's chat "
+        "path passes them, e.g. {enable_thinking: false} for a thinking model that should "
+        "answer at once.")
 
     @model_validator(mode="after")
     def _template_or_messages(self) -> PromptConfig:
@@ -96,6 +108,17 @@ class SamplingConfig(_Strict):
                                      "penalty; 0 is off.")
     stop_token_ids: list[int] = Field(
         default_factory=list, description="Token ids that end a generation, beside EOS.")
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Added to a token's logit at every step, by token id, as OpenAI's "
+        "logit_bias: -100 bans a token, 100 forces it.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _a_bias_within_100(cls, value):
+        for token, bias in (value or {}).items():
+            if not -100 <= bias <= 100:
+                raise ValueError(f"token {token}: {bias} is not within -100 and 100")
+        return value
 
 
 class StructuredConfig(_Strict):
@@ -137,6 +160,9 @@ class OutputConfig(_Strict):
         "tokens' own logprobs only. Under structured output these are after the grammar's "
         "mask (the allowed tokens share all the probability).")
     logprobs_column: str = Field("logprobs", description="Name of the logprobs column.")
+    reasoning_column: str = Field(
+        "reasoning", description="With model.reasoning_parser: the column of each row's "
+        "thinking (null where the model did not think); reasoning_tokens counts it.")
     confidence_column: str | None = Field(
         "confidence", description="With structured.choice: a column with the probability "
         "of the chosen label among the allowed labels, read from the same generation's "

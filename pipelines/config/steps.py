@@ -59,12 +59,17 @@ class StepConfig(_Strict):
     def output_column(self) -> str | None:
         return None if self.prompt is None else (self.column or self.name)
 
-    def added_columns(self) -> list[str]:
-        """The columns the step adds, in output order."""
+    def added_columns(self, thinking: bool = False) -> list[str]:
+        """The columns the step adds, in output order. ``thinking`` (the job's model has a
+        reasoning parser): its thinking, C_reasoning, after its answer, and the thinking's
+        tokens, C_reasoning_tokens, after its completion tokens."""
         c = self.output_column
         if c is None:
             return []
         added = [c, *(columns.step_column(c, m) for m in columns.STEP_META)]
+        if thinking:
+            added.insert(1, columns.step_column(c, columns.STEP_REASONING))
+            added.append(columns.step_column(c, columns.REASONING_TOKENS))
         if self.structured is not None and self.structured.json_schema is not None:
             added.insert(1, columns.step_column(c, "text"))
         if self.explode or self.sampling.n > 1:

@@ -34,15 +34,23 @@ def _timing(block: pa.Table) -> dict:
 
 COUNTED = [columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
            columns.COMPLETION_TOKENS]
+COUNTED_IF_PRESENT = (columns.REASONING_TOKENS,)  # a job with a reasoning parser's
 
 
 def summarize_part(path: Location, key_column: str) -> dict:
     """``count_part`` of a written part, reading only the columns it counts."""
-    return count_part(read_part(path, columns=[*COUNTED, key_column]), key_column)
+    return count_part(read_part(path, columns=[*COUNTED, key_column],
+                                if_present=COUNTED_IF_PRESENT), key_column)
 
 
-def read_part(path: Location, columns: list[str] | None = None) -> pa.Table:
+def read_part(path: Location, columns: list[str] | None = None,
+              if_present: tuple[str, ...] = ()) -> pa.Table:
+    """A part, or ``columns`` of it; ``if_present``: more columns, read where the part has
+    them (a thinking model's reasoning_tokens)."""
     with path.open() as handle:
+        if if_present:
+            names = pq.read_schema(handle).names
+            columns = [*(columns or []), *(c for c in if_present if c in names)]
         return pq.read_table(handle, columns=columns)
 
 
@@ -63,6 +71,9 @@ def count_part(part: pa.Table, key_column: str) -> dict:
         "errors": json.dumps(dict(sorted(errors.items()))),
         "skipped": pc.sum(pc.equal(part.column(columns.FINISH_REASON),
                                    columns.FinishReason.SKIPPED)).as_py() or 0,
+        # a thinking model's: the output tokens it spent thinking
+        "reasoning_tokens": (pc.sum(part.column(columns.REASONING_TOKENS)).as_py() or 0
+                             if columns.REASONING_TOKENS in part.column_names else 0),
         # a job with steps: the tokens its steps generated (a row's own columns count its
         # fan-out parent's again, and dropped rows are not in the part)
         **({"prompt_tokens": sum(s["prompt_tokens"] for s in steps["steps"]),

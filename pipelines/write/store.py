@@ -167,7 +167,10 @@ class OutputStore:
                                                                                  "retrying"):
             raise OutputError(f"--retry-errors: {str(self.path)!r} is not a completed output "
                               "of this job; run it first")
-        changed = diff_fingerprints(record.get("fingerprint", {}), fingerprint)
+        # a larger budget for the rows that failed is allowed (a thinking model's no_answer
+        # rows: --retry-errors --set sampling.max_tokens=N); anything else is another job
+        changed = diff_fingerprints(_budget_apart(record.get("fingerprint", {})),
+                                    _budget_apart(fingerprint))
         if changed:
             raise OutputError(f"--retry-errors: {self.path} was written by a different job "
                               f"({', '.join(changed)} changed)")
@@ -246,6 +249,20 @@ class OutputStore:
             for name in self.staging.names():
                 (self.staging / name).copy_to(self.path / name)
         self.finish_commit(record)
+
+
+def _budget_apart(fingerprint: dict) -> dict:
+    """A fingerprint without sampling.max_tokens, the job's or its steps': what a retry must
+    match."""
+    def apart(section):
+        return ({k: v for k, v in section.items() if k != "max_tokens"}
+                if isinstance(section, dict) else section)
+
+    out = {**fingerprint, "sampling": apart(fingerprint.get("sampling"))}
+    if isinstance(fingerprint.get("steps"), list):
+        out["steps"] = [{**step, "sampling": apart(step.get("sampling"))}
+                        if isinstance(step, dict) else step for step in fingerprint["steps"]]
+    return out
 
 
 def diff_fingerprints(old: dict, new: dict) -> list[str]:
