@@ -32,7 +32,8 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from pipelines import batch_embeddings as embeddings
 from pipelines.config import JobConfig, apply_overrides, load_config
@@ -96,6 +97,13 @@ class _Body(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     stop_token_ids: list[int] | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias(cls, value):
+        from udfs.predictor import check_logit_bias
+
+        return check_logit_bias(value)
 
     @model_validator(mode="before")
     @classmethod

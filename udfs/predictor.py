@@ -90,15 +90,7 @@ class RowOverrides(BaseModel):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _token_ids_and_biases(cls, value):
-        if not isinstance(value, dict):
-            return value
-        for token, bias in value.items():
-            if not str(token).isdigit():
-                raise ValueError(f"{token!r} is not a token id")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
-                    or not -100 <= bias <= 100:
-                raise ValueError(f"token {token}: the bias must be a number from -100 to 100")
-        return {str(k): float(v) for k, v in value.items()}
+        return check_logit_bias(value)
 
     @classmethod
     def of(cls, value, struct: bool = False) -> dict:
@@ -123,6 +115,20 @@ class RowOverrides(BaseModel):
             got = f" (got {first['input']!r})" if "input" in first and key else ""
             raise ValueError(f"{key}: {first['msg']}{got}"[:300]) from None
         return parsed.model_dump(include=parsed.model_fields_set)
+
+
+def check_logit_bias(value):
+    """OpenAI's logit_bias checked: token ids (JSON keys, so strings) to numbers in
+    [-100, 100], as {"id": float}; ValueError says which entry is wrong."""
+    if not isinstance(value, dict):
+        return value
+    for token, bias in value.items():
+        if not str(token).isdigit():
+            raise ValueError(f"{token!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise ValueError(f"token {token}: the bias must be a number from -100 to 100")
+    return {str(k): float(v) for k, v in value.items()}
 
 
 def no_answer(result, budget_key: str = "sampling.max_tokens") -> str:

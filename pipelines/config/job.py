@@ -140,7 +140,7 @@ class JobConfig(_Strict):
         """A reasoning parser splits generated text: one line where there is none to split,
         or where overnight cannot split it yet."""
         if self.model.reasoning_parser is None:
-            if "reasoning_column" in self.output.model_fields_set:
+            if "reasoning_column" in _changed(self.output):
                 raise ValueError("output.reasoning_column needs model.reasoning_parser")
             return self
         if self.task != "generate":
