@@ -292,11 +292,14 @@ class _Reject(ValueError):
 
 
 def prepare(requests: Path, work: Path, default_max_tokens: int | None,
-            max_model_len: int, prompt_lengths=None) -> Prepared:
+            max_model_len: int, prompt_lengths=None, adapter_of=None) -> Prepared:
     """Read the request file once, streaming: runnable requests to Parquet, the rest to the
     error file (both in line order). With ``default_max_tokens`` None, a request without
     max_tokens gets the room its prompt leaves in the context, as the hosted API's and vLLM's
-    defaults: ``prompt_lengths(prompts)`` counts the prompts' tokens (``prompt_counter``)."""
+    defaults: ``prompt_lengths(prompts)`` counts the prompts' tokens (``prompt_counter``).
+    ``adapter_of`` (a job with LoRA adapters, ``model_resolver``): a request's ``model`` ->
+    the adapter it runs on (None: the base model); a model it does not serve is the
+    request's error."""
     table, errors = work / "requests.parquet", work / "rejected.jsonl"
     seen: set[str] = set()
     rows: list[dict] = []
@@ -312,6 +315,12 @@ def prepare(requests: Path, work: Path, default_max_tokens: int | None,
                 try:
                     row = parse_request(raw.decode("utf-8"), default_max_tokens,
                                         max_model_len)
+                    if adapter_of is not None and row[KIND] != embeddings.KIND:
+                        try:
+                            row[MODEL] = adapter_of(row[MODEL])
+                        except _Reject as caught:
+                            caught.custom_id = row[CUSTOM_ID]
+                            raise
                     if row[CUSTOM_ID] in seen:
                         exc = _Reject("duplicate_custom_id", f"custom_id {row[CUSTOM_ID]!r} "
                                       "was used by an earlier line, which runs; this one "
@@ -383,6 +392,23 @@ def prompt_counter(model: str, max_model_len: int, trust_remote_code: bool = Fal
     return count
 
 
+def model_resolver(served: str, model: str, adapters) -> callable:
+    """A request's ``model`` -> its LoRA adapter (None: the base model), as ``vllm serve
+    --lora-modules`` routes it: an adapter's name runs on it; the served model's name, its
+    path or no model on the base; any other name is the request's ``model_not_found``."""
+    names = tuple(adapters)
+
+    def adapter_of(name: str | None) -> str | None:
+        if name in names:
+            return name
+        if name is None or name in (served, model):
+            return None
+        raise _Reject("model_not_found", f"body.model {name!r} is neither the served model "
+                      f"({served!r}) nor one of its adapters ({', '.join(names)})")
+
+    return adapter_of
+
+
 def _family(kind: str) -> str:
     return embeddings.KIND if kind == embeddings.KIND else "chat/completions"
 
@@ -418,7 +444,10 @@ def batch_config(prepared: Prepared, output: Path, model: str, base: dict | None
     sampling.setdefault("temperature", 1.0)  # the OpenAI default
     # the logprobs column is there for the requests that ask (each row says; null: not)
     raw["output"] = {"path": str(output), "column": "text", "logprobs": 0}
-    return load_config(apply_overrides(raw, overrides))
+    raw = apply_overrides(raw, overrides)
+    if (raw.get("model") or {}).get("adapters"):  # each request's model names its adapter
+        raw["prompt"]["adapter_column"] = MODEL
+    return load_config(raw)
 
 
 # The result and error files are one commit. Both are written to staged names beside their
@@ -464,10 +493,11 @@ def _fsync(path: Path) -> None:
 
 
 def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
-                  model: str, tokenizer: str | None = None) -> tuple[int, int]:
+                  model: str, tokenizer: str | None = None,
+                  adapters: tuple[str, ...] = ()) -> tuple[int, int]:
     """The job's parts -> result lines (in input order); failed rows and rejected lines ->
     error lines (in line order), both committed at once (see WRITTEN). Returns (results,
-    errors)."""
+    errors). A result on a LoRA adapter (one of ``adapters``) names it as its model."""
     finish_write(results, errors)  # an earlier commit first: its staged files are not leftovers
     for path in (results, errors):  # staged files of writes killed before their commit
         for leftover in path.parent.glob(f".{path.name}.*.staged"):
@@ -481,7 +511,9 @@ def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
     with open(staged_ok, "w", encoding="utf-8") as out, open(failures, "w") as fail:
         for part in list_parts(Location.of(job_output))[0]:  # in input order
             for request in _requests(pq.read_table(job_output / part.name)):
-                line = _result_line(request, model, created, token_bytes)
+                adapter = request[0].get(MODEL)
+                line = _result_line(request, adapter if adapter in adapters else model,
+                                    created, token_bytes)
                 target = out if line["error"] is None else fail
                 target.write(json.dumps(line, ensure_ascii=False) + "\n")
                 ok += line["error"] is None
@@ -647,10 +679,13 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     else:
         # a request without max_tokens: the operator's sampling.max_tokens, else the room its
         # prompt leaves in the context (the hosted API's default, and vLLM's run_batch's)
+        adapters = model_section.get("adapters") or {}
         prepared = prepare(requests, work, base.get("sampling", {}).get("max_tokens"),
                            max_model_len, prompt_counter(
                                model, max_model_len, model_section.get("trust_remote_code",
-                                                                       False)))
+                                                                       False)),
+                           adapter_of=model_resolver(served_model_name or served_name(model),
+                                                     model, adapters) if adapters else None)
         write_atomically(prepared_record, lambda tmp: tmp.write_text(json.dumps(
             {k: v for k, v in prepared.__dict__.items() if k not in ("table", "errors")})))
         write_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(source)))
@@ -672,7 +707,8 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
         ok, failed = committed["counts"]
     else:
         ok, failed = write_results(job_output, prepared.errors, results, errors,
-                                   served_model_name or served_name(model), tokenizer=model)
+                                   served_model_name or served_name(model), tokenizer=model,
+                                   adapters=tuple(model_section.get("adapters") or ()))
     return {"requests": prepared.requests + prepared.rejected, "results": ok, "errors": failed,
             "rejected_lines": prepared.rejected, "results_path": str(results),
             "errors_path": str(errors), "summary": summary}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from pipelines.adapters import adapter_sampling, adapters_fingerprint, check_adapters
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
 from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, read_unit,
@@ -143,6 +144,8 @@ def plan_job(config: JobConfig) -> JobPlan:
         **({"reasoning_parser": config.model.reasoning_parser,
             "chat_template_kwargs": config_prompt.chat_template_kwargs}
            if config.model.reasoning_parser else {}),
+        # LoRA: each adapter checked against the model (pipelines/adapters.py)
+        **(check_adapters(config.model) if config.model.adapters else {}),
     })
     s = config.sampling
     confidence = config.confidence_column()
@@ -165,6 +168,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         confidence_column=confidence, confidence_top_k=top_for_confidence,
         logit_bias=tuple(sorted((s.logit_bias or {}).items())),
         reasoning_column=config.reasoning_column(),
+        **adapter_sampling(config, config_prompt),
     )
     kind = config.engine.kind
     if pooling is not None and kind == "vllm":
@@ -383,6 +387,16 @@ def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> 
         if column is not None and not _COLUMN_TYPES[key](plan.schema.field(column).type):
             raise InputError(f"sampling.{key} {column!r} is {plan.schema.field(column).type}; "
                              f"it must hold {_COLUMN_KINDS[key]}")
+    for prompt in config.prompts():
+        column = prompt.adapter_column
+        if column is not None and column not in names:
+            raise InputError(f"prompt.adapter_column {column!r} is not a column of the input; "
+                             f"its columns are: {', '.join(names)}")
+        kind = plan.schema.field(column).type if column is not None else None
+        if kind is not None and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                                     or pa.types.is_null(kind)):
+            raise InputError(f"prompt.adapter_column {column!r} is {kind}; it must hold "
+                             "adapter names (strings)")
     clashes = [c for c in config.generated_columns() if c in names]
     if clashes:
         hint = (" (name your id column in input.id_column)" if clashes[0] == columns.ROW_ID
@@ -614,6 +628,8 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
         "output": config.output.model_dump(exclude={"path", "file_size_mb"}),
         "resources.batch_size": config.resources.batch_size,
         "engine": _engine_fingerprint(config),
+        **({"adapters": adapters_fingerprint(config.model.adapters)}
+           if config.model.adapters else {}),
     }
 
 

@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
@@ -101,6 +102,8 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
         report["reasoning"] = {"reasoning_tokens": thinking, "answer_tokens": out - thinking,
                                "no_answer_rows": no_answer,
                                "no_answer_share": round(no_answer / rows, 4) if rows else 0.0}
+    if (config.get("model") or {}).get("adapters"):
+        report["adapters"] = adapter_counts(output, config)
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
     if timings and times is not None:
         report.update(_times(timings, times))
@@ -111,6 +114,56 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
             report["time"]["engine_idle_s"] = round(samples[-1].get("idle_s", 0), 2)
     report["sample_rows"] = _sample_rows(output, config, key)
     return report
+
+
+BASE = "(base model)"  # the report's name for rows on no adapter
+
+
+def adapter_counts(output: Location, config: dict) -> dict:
+    """Rows generated and tokens by LoRA adapter: {name: {rows, prompt_tokens,
+    completion_tokens}}, the base model as BASE. Each generation (the job's, or each step's,
+    under its own columns) is grouped by its adapter column, or counted under its default;
+    read a file at a time, the few columns it needs only."""
+    model = config.get("model") or {}
+    generations = []  # (adapter column, default, prompt tokens, completion tokens, finish)
+    if config.get("steps"):
+        for step in config["steps"]:
+            if step.get("prompt") is None:
+                continue
+            c = step.get("column") or step["name"]
+            generations.append((step["prompt"].get("adapter_column"),
+                                step.get("adapter") or model.get("adapter"),
+                                *(columns.step_column(c, m) for m in (
+                                    columns.PROMPT_TOKENS, columns.COMPLETION_TOKENS,
+                                    columns.FINISH_REASON))))
+    else:
+        generations.append(((config.get("prompt") or {}).get("adapter_column"),
+                            model.get("adapter"), columns.PROMPT_TOKENS,
+                            columns.COMPLETION_TOKENS, columns.FINISH_REASON))
+    counts: dict[str, dict] = {}
+    for part in list_parts(output)[0]:
+        with (output / part.name).open() as handle:
+            names = pq.read_schema(handle).names
+            wanted = {c for g in generations for c in (g[0], *g[2:]) if c and c in names}
+            table = pq.read_table(handle, columns=sorted(wanted))
+        for column, default, prompt, completion, finish in generations:
+            if finish not in table.column_names:
+                continue
+            ran = table.filter(pc.is_valid(table.column(finish)))
+            fallback = pa.scalar(default or BASE, pa.string())
+            names_ = (pc.fill_null(pc.cast(ran.column(column), pa.string()), fallback)
+                      if column and column in ran.column_names
+                      else pa.array([default or BASE] * ran.num_rows, pa.string()))
+            grouped = pa.table({"adapter": names_, "p": pc.fill_null(ran.column(prompt), 0),
+                                "c": pc.fill_null(ran.column(completion), 0)}).group_by(
+                "adapter").aggregate([("p", "count"), ("p", "sum"), ("c", "sum")])
+            for row in grouped.to_pylist():
+                entry = counts.setdefault(row["adapter"], {"rows": 0, "prompt_tokens": 0,
+                                                           "completion_tokens": 0})
+                entry["rows"] += row["p_count"]
+                entry["prompt_tokens"] += row["p_sum"]
+                entry["completion_tokens"] += row["c_sum"]
+    return dict(sorted(counts.items()))
 
 
 def _steps(stats: list[dict]) -> list[dict]:
@@ -348,6 +401,9 @@ def report_lines(report: dict) -> list[str]:
         lines.append(f"reasoning    {r['reasoning_tokens']:,} thinking tokens{share}, "
                      f"{r['answer_tokens']:,} answer; {r['no_answer_rows']:,} rows without an "
                      f"answer ({r['no_answer_share']:.1%})")
+    for name, a in (report.get("adapters") or {}).items():
+        lines.append(f"adapter      {name}: {a['rows']:,} rows, {a['prompt_tokens']:,} prompt "
+                     f"+ {a['completion_tokens']:,} output tokens")
     t = report.get("time")
     if t:
         lines.append(f"time         {t['total_s']:.1f} s = start-up {t['startup_s']:.1f} s "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from pipelines.adapters import adapter_sampling
 from pipelines.config import JobConfig, StepConfig
 from pipelines.errors import ConfigError, InputError
 from udfs import columns
@@ -74,7 +75,8 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
             # a thinking model's: the step's thinking in C_reasoning (udfs/steps.py)
             reasoning_column=(columns.step_column(step.output_column, columns.STEP_REASONING)
                               if config.model.reasoning_parser else None),
-            budget_key=f"steps.{i}.sampling.max_tokens")
+            budget_key=f"steps.{i}.sampling.max_tokens",
+            **adapter_sampling(config, p, step.adapter))
         spec = StepSpec(name=step.name, column=step.output_column, where=step.where,
                         render=render, sampling=sampling, structured=structured,
                         explode=step.explode, fan_out=step.explode or s.n > 1)

@@ -53,6 +53,8 @@ class ErrorKind:
     # a thinking model (model.reasoning_parser) ended before its answer: its thinking used
     # all of max_tokens, or it stopped while thinking; its thinking is kept
     NO_ANSWER = "no_answer"
+    # the row's adapter column names a LoRA adapter the job does not declare (model.adapters)
+    ADAPTER = "unknown_adapter"
 
 
 class FinishReason:

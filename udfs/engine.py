@@ -50,6 +50,8 @@ class GenerationRequest:
     # The chat template's switches its prompt was rendered with (prompt.chat_template_kwargs),
     # which a reasoning parser reads as vLLM's chat path gives them (Qwen3's enable_thinking)
     chat_template_kwargs: dict | None = None
+    # The LoRA adapter to run it on, by its name in the engine's adapters (None: the base)
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)

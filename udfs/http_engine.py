@@ -67,8 +67,10 @@ def headers(api_key: str | None) -> dict[str, str]:
 
 
 def request_body(options: HTTPOptions, r: GenerationRequest) -> dict:
-    """The OpenAI request for one GenerationRequest; vLLM's extensions only when used."""
-    body: dict = {"model": options.model, "max_tokens": r.max_tokens,
+    """The OpenAI request for one GenerationRequest; vLLM's extensions only when used. A
+    request on a LoRA adapter names it as its model, as a server with the adapter loaded
+    (``vllm serve --lora-modules NAME=PATH``) takes it."""
+    body: dict = {"model": r.adapter or options.model, "max_tokens": r.max_tokens,
                   "temperature": r.temperature, "top_p": r.top_p}
     if options.endpoint == "chat":
         body["messages"] = r.messages

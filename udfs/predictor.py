@@ -62,6 +62,13 @@ class SamplingSpec:
     # answer is the output column, its thinking tokens columns.REASONING_TOKENS
     reasoning_column: str | None = None
     budget_key: str = "sampling.max_tokens"  # where the config sets max_tokens, for errors
+    # LoRA adapters (model.adapters): the names the engine holds, the one a row without its
+    # own runs on (None: the base model), the column that names each row's, and the values of
+    # it that mean the base model (a Batch file's served model name)
+    adapters: tuple[str, ...] = ()
+    adapter: str | None = None
+    adapter_column: str | None = None
+    base_names: tuple[str, ...] = ()
 
 
 class RowOverrides(BaseModel):
@@ -181,8 +188,28 @@ class Predictor:
         other.sampling, other.output_column = sampling, output_column
         return other
 
+    def _adapters(self, batch: pa.Table) -> tuple[list[str | None], dict[int, str]]:
+        """Each row's LoRA adapter (None: the base model), and the rows that name one the
+        job does not declare, with why."""
+        s = self.sampling
+        rows = batch.num_rows
+        if s.adapter_column is None:
+            return [s.adapter] * rows, {}
+        names, unknown = [], {}
+        for i, value in enumerate(batch.column(s.adapter_column).to_pylist()):
+            if value is None or value in s.base_names:
+                names.append(s.adapter if value is None else None)
+            elif value in s.adapters:
+                names.append(value)
+            else:
+                names.append(None)
+                unknown[i] = (f"{s.adapter_column}: {str(value)[:80]!r} is not one of the "
+                              f"job's adapters ({', '.join(s.adapters)})")
+        return names, unknown
+
     def _request(self, token_ids: list[int], key, sample: int, max_tokens: int | None,
-                 messages: str | None, overrides: dict) -> GenerationRequest:
+                 messages: str | None, overrides: dict,
+                 adapter: str | None = None) -> GenerationRequest:
         s = self.sampling
         cap = s.max_tokens if max_tokens is None else max(1, min(max_tokens, s.max_tokens))
         temperature = overrides.get("temperature", s.temperature)
@@ -212,6 +239,7 @@ class Predictor:
             # its own prompt's ({} for none: not the engine's, which are the first step's)
             chat_template_kwargs=(self.renderer.spec.chat_template_kwargs or {}
                                   if self.renderer is not None else None),
+            adapter=adapter,
         )
 
     def _top(self, overrides: dict) -> int | None:
@@ -252,6 +280,7 @@ class Predictor:
             with self.render_lock:
                 batch = self.renderer(batch)
         overrides, refused = self._overrides(batch)
+        adapters, unknown = self._adapters(batch)
         ns = [o.get("n", self.sampling.n) for o in overrides]
         expand = any(n != 1 for n in ns) or self.sampling.overrides_column is not None
         if expand:  # one row per sample: the source columns repeated
@@ -259,11 +288,13 @@ class Predictor:
             take = [i for i, n in enumerate(ns) for _ in range(n)]
             batch = batch.take(take)
             overrides = [overrides[i] for i in take]
+            adapters = [adapters[i] for i in take]
             refused = {new: refused[old] for new, old in enumerate(take) if old in refused}
+            unknown = {new: unknown[old] for new, old in enumerate(take) if old in unknown}
         else:
             samples = [0] * batch.num_rows
         token_ids = batch.column(columns.PROMPT_TOKEN_IDS).to_pylist()
-        for i in refused:
+        for i in (*refused, *unknown):
             token_ids[i] = None  # not generated: the row's error says why
         keys = batch.column(self.sampling.key_column).to_pylist()
         caps = (batch.column(self.sampling.max_tokens_column).to_pylist()
@@ -272,7 +303,8 @@ class Predictor:
                     if columns.PROMPT_MESSAGES in batch.column_names else [None] * batch.num_rows)
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
         results = self.recovery.generate(self.engine, block, [
-            self._request(token_ids[i], keys[i], samples[i], caps[i], messages[i], overrides[i])
+            self._request(token_ids[i], keys[i], samples[i], caps[i], messages[i], overrides[i],
+                          adapters[i])
             for i in todo])
 
         rows = batch.num_rows
@@ -284,6 +316,9 @@ class Predictor:
             if kinds[i] is None:  # a render error found first stands
                 kinds[i], errors[i] = ErrorKind.OVERRIDES, f"{self.sampling.overrides_column}: " \
                     f"{message}"
+        for i, message in unknown.items():
+            if kinds[i] is None:
+                kinds[i], errors[i] = ErrorKind.ADAPTER, message
         thinking = self.sampling.reasoning_column is not None
         reasoning, reasoning_tokens = [None] * rows, [None] * rows
         for i, result in zip(todo, results):

@@ -29,13 +29,16 @@ def on_cpu() -> bool:
 class VLLMEngine:
     """Options (``spec.options``): max_model_len, dtype, tensor_parallel_size, trust_remote_code,
     kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, multiprocessing, cpu_threads,
-    structured_outputs, max_logprobs, reasoning_parser, chat_template_kwargs, args."""
+    structured_outputs, max_logprobs, reasoning_parser, chat_template_kwargs, adapters (LoRA:
+    name -> directory), max_lora_rank, max_loras, max_cpu_loras, args."""
 
     def __init__(self, spec: EngineSpec):
         opts = dict(spec.options)
         reasoning_parser = opts.pop("reasoning_parser", None)
         # the chat template's switches, which a reasoning parser may read (enable_thinking)
         self.chat_template_kwargs = opts.pop("chat_template_kwargs", None)
+        adapters = opts.pop("adapters", None) or {}
+        lora = {k: opts.pop(k, None) for k in ("max_lora_rank", "max_loras", "max_cpu_loras")}
         multiprocessing = opts.pop("multiprocessing", None)
         threads = opts.pop("cpu_threads", None)  # given for CPU engines only
         if threads:
@@ -109,6 +112,8 @@ class VLLMEngine:
         if reasoning_parser:
             # vLLM's structured outputs then apply after the thinking, as its server does
             kwargs["reasoning_parser"] = reasoning_parser
+        if adapters:
+            kwargs.update(enable_lora=True, **lora_settings(len(adapters), cpu, **lora))
         kwargs.update(opts.pop("args", {}))
         if opts:
             raise ValueError(f"unknown vllm engine options: {sorted(opts)}")
@@ -121,6 +126,11 @@ class VLLMEngine:
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self.reasoning = (Reasoning(self.llm, reasoning_parser, self.chat_template_kwargs)
                           if reasoning_parser else None)
+        # one LoRARequest per adapter, its id fixed for the engine's life (vLLM caches by id)
+        from vllm.lora.request import LoRARequest
+
+        self.adapters = {name: LoRARequest(name, i + 1, str(path))
+                         for i, (name, path) in enumerate(sorted(adapters.items()))}
 
     @staticmethod
     def stepper_class() -> type[_Stepper]:
@@ -371,7 +381,9 @@ class _Stepper:
         try:  # the sampling values too: one vLLM refuses is this request's error
             params = engine._sampling_params(request)
             params.output_kind = engine._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
-            engine.llm.llm_engine.add_request(request_id, engine._prompt(request), params)
+            engine.llm.llm_engine.add_request(
+                request_id, engine._prompt(request), params,
+                lora_request=engine.adapters[request.adapter] if request.adapter else None)
         except engine._request_errors as exc:  # this request only: a row error
             batch.set(index, GenerationResult(None, None, None, error=_one_line(exc)))
             self.requests_done += 1
@@ -401,6 +413,18 @@ class _Waiting:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+
+def lora_settings(adapters: int, cpu: bool, max_lora_rank: int | None = None,
+                  max_loras: int | None = None, max_cpu_loras: int | None = None) -> dict:
+    """vLLM's LoRA settings for an engine holding ``adapters`` adapters: the job's, or every
+    adapter resident. On CPU every adapter and one slot more, always: vLLM 0.32's CPU LoRA
+    kernels look a base-model request's slot (-1) up as the last slot, so with every slot
+    taken a base request batched with adapter requests ran on the last one's weights
+    (tests/test_adapters.py pins the outputs)."""
+    loras = adapters + 1 if cpu else (max_loras or adapters)
+    return {"max_lora_rank": max_lora_rank or 16, "max_loras": loras,
+            "max_cpu_loras": max(max_cpu_loras or adapters, loras)}
 
 
 def _fail_all(inbox: queue.SimpleQueue, failure: BaseException) -> None:

@@ -153,6 +153,32 @@ class JobConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _adapters_apply(self) -> JobConfig:
+        """LoRA adapters: declared where they are used, with what the engine needs."""
+        names = self.model.adapters or {}
+        uses = [(f"steps[{i}].adapter", step.adapter) for i, step in enumerate(self.steps or ())
+                if step.adapter is not None]
+        for key, name in uses:
+            if name not in names:
+                raise ValueError(f"{key} {name!r} is not one of model.adapters"
+                                 + (f" ({', '.join(names)})" if names else " (none are given)"))
+        column = next((p.adapter_column for p in self.prompts() if p.adapter_column), None)
+        if column is not None and not names:
+            raise ValueError("prompt.adapter_column needs model.adapters (the adapters its "
+                             "values name)")
+        if not names:
+            return self
+        if self.task != "generate":
+            raise ValueError(f"model.adapters does not apply to task: {self.task} (LoRA "
+                             "adapters here are for generation)")
+        if self.engine.kind == "vllm":
+            missing = next((n for n, path in names.items() if not path), None)
+            if missing is not None:
+                raise ValueError(f"model.adapters.{missing}: give the adapter's directory "
+                                 "(the engine loads it)")
+        return self
+
+    @model_validator(mode="after")
     def _truncation_needs_tokens(self) -> JobConfig:
         # the server applies the chat template to whole messages: a prompt cut to fit as
         # tokens cannot be sent as messages

@@ -43,6 +43,45 @@ class ModelConfig(_Strict):
         "used all of max_tokens (which covers thinking and answer) has no answer: its "
         "error_kind is no_answer, its thinking kept (--retry-errors with a larger max_tokens "
         "runs it again).")
+    adapters: dict[str, str | None] | None = Field(
+        None, description="LoRA adapters on this model, by name: {de: path/to/adapter, ...}, "
+        "each a local directory in PEFT's format (adapter_config.json and its weights), "
+        "checked against the model before any engine starts. Rows pick one by name "
+        "(prompt.adapter_column, model.adapter, a step's adapter); Batch files by their "
+        "model. With engine.kind: http the names are sent as the request's model, and the "
+        "server holds the adapters (vllm serve --lora-modules): a path may be null.")
+    adapter: str | None = Field(
+        None, description="The adapter (one of model.adapters) every row runs on, unless "
+        "its prompt.adapter_column names another; default: the base model.")
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = Field(
+        None, description="vLLM's max_lora_rank; default: the smallest that holds every "
+        "adapter's rank.")
+    max_loras: int | None = Field(
+        None, ge=1, description="Adapters an engine batch may mix (vLLM's max_loras); "
+        "default: all of model.adapters. On a CPU engine it is always every adapter and one "
+        "spare slot: vLLM's CPU LoRA kernels give a base-model request the last slot's "
+        "adapter when every slot is taken.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="Adapters an engine keeps loaded in host memory (vLLM's "
+        "max_cpu_loras); default: all of model.adapters.")
+
+    @model_validator(mode="after")
+    def _adapters(self) -> ModelConfig:
+        names = self.adapters or {}
+        for name in names:
+            if not name or not name.strip() or name != name.strip():
+                raise ValueError(f"model.adapters: {name!r} is not a usable adapter name")
+            if name == self.name:
+                raise ValueError(f"model.adapters: {name!r} is the base model's name")
+        if self.adapter is not None and self.adapter not in names:
+            raise ValueError(f"model.adapter {self.adapter!r} is not one of model.adapters"
+                             + (f" ({', '.join(names)})" if names else " (none are given)"))
+        if not names:
+            given = [k for k in ("max_lora_rank", "max_loras", "max_cpu_loras")
+                     if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"model.{given[0]} needs model.adapters")
+        return self
 
 
 class PromptConfig(_Strict):
@@ -73,6 +112,10 @@ class PromptConfig(_Strict):
         None, description="The chat template's own switches, passed to it as vLLM's chat "
         "path passes them, e.g. {enable_thinking: false} for a thinking model that should "
         "answer at once.")
+    adapter_column: str | None = Field(
+        None, description="A column naming each row's LoRA adapter (one of model.adapters); "
+        "null: model.adapter, or the base model. A name the job does not declare is that "
+        "row's error (unknown_adapter).")
 
     @model_validator(mode="after")
     def _template_or_messages(self) -> PromptConfig:

@@ -33,6 +33,10 @@ class StepConfig(_Strict):
     explode: bool = Field(
         False, description="With a structured.json_schema of type array: one row per "
         "element, the element in the step's column and its position in <column>_index.")
+    adapter: str | None = Field(
+        None, description="The LoRA adapter (one of model.adapters) the step runs on, "
+        "unless its prompt.adapter_column names another; default: model.adapter, or the "
+        "base model.")
 
     @model_validator(mode="after")
     def _generates_or_filters(self) -> StepConfig:
@@ -40,7 +44,7 @@ class StepConfig(_Strict):
             if self.where is None:
                 raise ValueError("a step needs a prompt (it generates) or a where (it filters)")
             given = [k for k in ("sampling", "structured", "column", "explode")
-                     if k in self.model_fields_set]
+                     if k in self.model_fields_set] + ["adapter"] * (self.adapter is not None)
             if given:
                 raise ValueError(f"{given[0]} does not apply to a step without a prompt (a "
                                  "filter step generates nothing)")
