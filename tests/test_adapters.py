@@ -311,12 +311,23 @@ def test_the_cli_says_a_missing_adapter_in_one_line(tiny_model, adapters, root, 
         "overnight: error: model.adapters.de: "), run.stderr
 
 
-def test_the_http_engine_names_the_adapter_as_the_requests_model():
-    from udfs.engine import GenerationRequest
-    from udfs.http_engine import HTTPOptions, request_body
+def test_a_server_as_the_engine_gets_each_rows_adapter_as_its_model(
+        tiny_model, adapters, root, lora_job, ray_cluster, tmp_path):
+    """vllm serve with the adapters loaded (--lora-modules): the job sends each row's adapter
+    name as the request's model, and gets the in-process job's texts, row for row."""
+    from servers import VLLMServer
 
-    options = HTTPOptions(base_url="http://127.0.0.1:1", model="base", endpoint="completions")
-    on = request_body(options, GenerationRequest(prompt_token_ids=[1, 2], max_tokens=4,
-                                                 adapter="de"))
-    off = request_body(options, GenerationRequest(prompt_token_ids=[1, 2], max_tokens=4))
-    assert (on["model"], off["model"]) == ("de", "base")
+    _, _, out = lora_job
+    server = VLLMServer(tiny_model, tmp_path / "server.log", KV_CACHE)
+    server.args += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3",
+                    "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    server.start()
+    try:
+        config = _config(tiny_model, {name: None for name in adapters}, root, "http")
+        config["engine"] = {"kind": "http", "base_url": server.base_url}
+        run_job(load_config(config))
+    finally:
+        server.kill()
+    served = pl.read_parquet(root / "http")
+    assert served["rewritten"].to_list() == out["rewritten"].to_list()
+    assert served["error_kind"].to_list() == out["error_kind"].to_list()
