@@ -141,9 +141,12 @@ def check_logit_bias(value):
 def no_answer(result, budget_key: str = "sampling.max_tokens") -> str:
     """A thinking model's row without an answer, in one line: why, and what to do."""
     if result.finish_reason == "length":
+        # a job of steps is run again whole (--retry-errors runs a one-step job's rows only)
+        again = (f"--set {budget_key}=N --overwrite" if budget_key.startswith("steps.")
+                 else f"--retry-errors --set {budget_key}=N")
         return (f"no answer: the thinking used all {result.completion_tokens} tokens of "
                 "max_tokens (which covers thinking and answer); run it again with a larger "
-                f"budget: --retry-errors --set {budget_key}=N")
+                f"budget: {again}")
     return f"no answer: the model ended while thinking (finish_reason {result.finish_reason})"
 
 

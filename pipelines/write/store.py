@@ -252,17 +252,11 @@ class OutputStore:
 
 
 def _budget_apart(fingerprint: dict) -> dict:
-    """A fingerprint without sampling.max_tokens, the job's or its steps': what a retry must
-    match."""
-    def apart(section):
-        return ({k: v for k, v in section.items() if k != "max_tokens"}
-                if isinstance(section, dict) else section)
-
-    out = {**fingerprint, "sampling": apart(fingerprint.get("sampling"))}
-    if isinstance(fingerprint.get("steps"), list):
-        out["steps"] = [{**step, "sampling": apart(step.get("sampling"))}
-                        if isinstance(step, dict) else step for step in fingerprint["steps"]]
-    return out
+    """A fingerprint without sampling.max_tokens: what a retry must match."""
+    sampling = fingerprint.get("sampling")
+    if not isinstance(sampling, dict):
+        return fingerprint
+    return {**fingerprint, "sampling": {k: v for k, v in sampling.items() if k != "max_tokens"}}
 
 
 def diff_fingerprints(old: dict, new: dict) -> list[str]:
