@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="re-run only the rows of the finished output whose error is set")
     run.add_argument("--verbose", action="store_true", help="show Ray's own logs and bars")
     run.add_argument("--quiet", action="store_true", help="no progress line")
+    run.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve Prometheus metrics of the run on http://HOST:PORT/metrics")
+    run.add_argument("--metrics-host", default="127.0.0.1",
+                     help="the address the metrics endpoint listens on (default: 127.0.0.1)")
 
     validate = sub.add_parser("validate", help="check a job without starting an engine")
     _config_args(validate)
@@ -109,8 +113,18 @@ def cmd_run(args) -> int:
 
     config = load_config(args.config, args.overrides)
     progress = Progress(total=0, enabled=not args.quiet)
-    summary = run_job(config, overwrite=args.overwrite, retry_errors=args.retry_errors,
-                      progress=progress, verbose=args.verbose)
+    close = None
+    if args.metrics_port is not None:  # pipelines/metrics.py: the run's progress, scraped
+        from pipelines.metrics import serve_metrics
+
+        close = serve_metrics(progress, config.output.path, config.model.name,
+                              args.metrics_port, args.metrics_host)
+    try:
+        summary = run_job(config, overwrite=args.overwrite, retry_errors=args.retry_errors,
+                          progress=progress, verbose=args.verbose)
+    finally:
+        if close is not None:
+            close()
     for line in [*report_lines(summary.report), *summary.notes()]:
         print(line)
     print(f"output: {summary.output}  (report: {summary.report_path})")

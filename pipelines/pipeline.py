@@ -269,8 +269,9 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
                                config) if ds else ():
                 for record in batch.to_pylist():
                     times.add(record)
+                    by_kind = json.loads(record["errors"])
                     progress.update(record["input_rows"], record["completion_tokens"],
-                                    sum(json.loads(record["errors"]).values()))
+                                    sum(by_kind.values()), by_kind, record["prompt_tokens"])
         except Exception as exc:  # an engine that would not start or died; a failed write
             progress.finish()
             health.close()

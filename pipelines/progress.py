@@ -47,6 +47,12 @@ class Progress:
         self.live_first: tuple[float, int] | None = None  # (time, tokens) at the first tokens
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens): the rate's window
         self.lock = threading.Lock()  # the writer's parts and the replicas' counts both print
+        # what the metrics endpoint adds (pipelines/metrics.py): errors by kind, prompt
+        # tokens, when rows or tokens last moved, and whether the run has ended
+        self.errors_by_kind: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.moved_at = 0.0
+        self.finished = False
 
     def start(self, output: str, already: int = 0) -> None:
         self.start_time = self.last_print = time.time()
@@ -54,12 +60,18 @@ class Progress:
         self._emit(f"overnight: {self.total} rows -> {output}"
                    + (f" (resuming: {already} already written)" if already else ""))
 
-    def update(self, rows: int, tokens: int, errors: int) -> None:
+    def update(self, rows: int, tokens: int, errors: int, by_kind: dict | None = None,
+               prompt_tokens: int = 0) -> None:
         with self.lock:
             now = time.time()
             self.done += rows
             self.tokens += tokens
             self.errors += errors
+            self.prompt_tokens += prompt_tokens
+            for kind, n in (by_kind or {}).items():
+                self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + n
+            if rows or tokens:
+                self.moved_at = now
             if self.first is None:
                 self.first = (now, self.done, self.tokens)
             if now - self.last_print >= self.interval or self.done >= self.total:
@@ -70,6 +82,8 @@ class Progress:
         """The replicas' counts, summed (EngineHealth.snapshot)."""
         with self.lock:
             now = time.time()
+            if self.live is None or counts.get("tokens", 0) > self.live.get("tokens", 0):
+                self.moved_at = now
             self.live = counts
             if self.live_first is None and counts.get("tokens"):
                 self.live_first = (now, counts["tokens"])
@@ -129,6 +143,7 @@ class Progress:
                 f"elapsed {_clock(elapsed)} | eta {_clock(eta)}")
 
     def finish(self) -> None:
+        self.finished = True
         if self.enabled and self.tty:
             self.stream.write("\n")
             self.stream.flush()

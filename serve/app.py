@@ -13,7 +13,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -145,6 +145,15 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
         store.add_batch(request.state.owner, batch)
         runner.wake()
         return batch
+
+    @app.get("/metrics")
+    def metrics():
+        """Prometheus metrics (serve/metrics.py), behind the same keys as the API."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        from serve.metrics import registry_of
+
+        return Response(generate_latest(registry_of(store)), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/batches")
     def list_batches(request: Request, limit: int = 20, after: str | None = None):

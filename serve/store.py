@@ -244,6 +244,20 @@ class Store:
                                     "ORDER BY seq", statuses).fetchall()
         return [row["id"] for row in rows]
 
+    def metrics(self) -> dict:
+        """The server's numbers for its metrics endpoint: batches by status (every owner's),
+        and their requests by state, summed (request_counts)."""
+        with self._lock:
+            rows = self._db.execute("SELECT status, object FROM batches").fetchall()
+        statuses: dict[str, int] = {}
+        requests = {"completed": 0, "failed": 0, "total": 0}
+        for row in rows:
+            statuses[row["status"]] = statuses.get(row["status"], 0) + 1
+            counts = json.loads(row["object"]).get("request_counts") or {}
+            for key in requests:
+                requests[key] += counts.get(key) or 0
+        return {"batches": statuses, "requests": requests}
+
     def set_child(self, batch_id: str, pid: int | None) -> None:
         with self._lock:
             self._db.execute("UPDATE batches SET child_pid=? WHERE id=?", (pid, batch_id))

@@ -348,6 +348,37 @@ def test_batches_list_in_cursor_pages(server):
     assert every[:3] == created[::-1] and len(every) == len(set(every))
 
 
+def _metrics(server, key=KEY) -> dict:
+    """The server's /metrics, parsed: {(name, labels as a tuple of pairs): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10,
+                     headers={"Authorization": f"Bearer {key}"})
+    text.raise_for_status()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text.text) for s in family.samples}
+
+
+def test_metrics_count_batches_by_status_and_their_requests(server, tmp_path):
+    client = server.client()
+    done = client.batches.create(
+        input_file_id=client.files.create(file=request_file(tmp_path / "m.jsonl", 3, 2, "m"),
+                                          purpose="batch").id,
+        endpoint="/v1/chat/completions", completion_window="24h")
+    assert wait(client, done.id)[-1].status == "completed"
+    numbers = _metrics(server)
+    # every key's batches, as the API lists them to their owners
+    listed = [b for key in (KEY, OTHER_KEY) for b in server.client(key).batches.list(limit=100)]
+    for status in ("validating", "in_progress", "completed", "failed", "cancelled"):
+        assert numbers[("overnight_batches", (("status", status),))] == \
+            sum(b.status == status for b in listed), status
+    assert numbers[("overnight_batch_requests_total", (("state", "completed"),))] == sum(
+        (b.request_counts.completed if b.request_counts else 0) for b in listed) >= 3
+    assert ("overnight_batch_queue_depth", ()) in numbers
+    # behind the same keys as the API
+    assert httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10).status_code == 401
+
+
 def _content(line: dict):
     body = line["response"]["body"]
     return ([c["message"]["content"] for c in body["choices"]],

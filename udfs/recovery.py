@@ -79,7 +79,9 @@ class EngineHealth:
         """Requests finished, their tokens, and tokens generated, over every engine so far."""
         keys = ("requests", "tokens_finished", "tokens", "requests_seen", "cap_seen",
                 "cap_finished", "idle_s")
-        return {k: sum(c.get(k, 0) for c in self.live.values()) for k in keys}
+        return {**{k: sum(c.get(k, 0) for c in self.live.values()) for k in keys},
+                # engines restarted and rows isolated so far (the metrics endpoint's)
+                "restarts": len(self.restarts), "isolated": len(self.isolated)}
 
     def begin(self, key: int, size: int) -> dict:
         """A replica starts a block: which of its rows are suspect, which known to kill."""
