@@ -37,11 +37,22 @@ demo: setup models/smollm2/config.json
 # process of its own, the two at once (--dist loadfile gives two files two workers).
 POOLING_TESTS := tests/test_http_pooling.py tests/test_pooling.py
 TEST_WORKERS ?= 2
-test: setup models/smollm2/config.json
+test: setup models/smollm2/config.json browser
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
 	  $(addprefix --ignore=,$(POOLING_TESTS))
 	$(BIN)/python -m pytest -q -m serial $(addprefix --ignore=,$(POOLING_TESTS))
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(POOLING_TESTS)
+
+# A headless browser for tests/test_view.py (overnight view's page): Debian's chromium and
+# chromium-driver where apt-get can install them; elsewhere those tests skip, saying why.
+.PHONY: browser
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+	         apt-get install -y -q chromium chromium-driver >/dev/null; }; } \
+	  || echo "overnight: no chromium here: the browser tests will skip"; }
 
 # The documentation site, docs/ -> site/, with the config and CLI references generated from the
 # code (docs/gen_reference.py). --strict: a broken link or a page missing from the nav fails.

@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="how far a job got: rows done, left, errors")
     status.add_argument("output", help="the job's output.path")
 
+    view = sub.add_parser("view", help="a local web page of a job, running or done: its "
+                          "progress, errors and rows")
+    view.add_argument("output", help="the job's output.path")
+    view.add_argument("--port", type=int, default=8765, help="default: 8765")
+    view.add_argument("--host", default="127.0.0.1",
+                      help="the address to listen on (default: 127.0.0.1, this machine only: "
+                      "the page shows the job's data)")
+
     report = sub.add_parser("report", help="print a finished job's run report again")
     report.add_argument("output", help="the job's output.path")
     report.add_argument("--html", metavar="FILE", help="also write it as an HTML page with charts")
@@ -167,6 +175,13 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_view(args) -> int:
+    from pipelines.view import serve_view
+
+    serve_view(args.output, args.host, args.port)
+    return 0
+
+
 def cmd_status(args) -> int:
     from pipelines.status import output_status
 
@@ -210,8 +225,8 @@ def cmd_doctor(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "batch": cmd_batch, "serve": cmd_serve, "validate": cmd_validate,
-            "status": cmd_status, "report": cmd_report, "tiny-model": cmd_tiny_model,
-            "demo-model": cmd_demo_model, "doctor": cmd_doctor}
+            "status": cmd_status, "view": cmd_view, "report": cmd_report,
+            "tiny-model": cmd_tiny_model, "demo-model": cmd_demo_model, "doctor": cmd_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

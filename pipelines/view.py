@@ -1,0 +1,265 @@
+"""``overnight view OUT``: a local web page of a job, running or done: its progress and errors,
+and its rows, source columns beside generated ones, paged and filtered.
+
+Everything is read from what the job writes, never from its processes: the job record (its
+config, its state), the committed parts (the staging folder while it runs, the output once
+done) and the run report. Rows are read a page at a time by a polars scan over the parts
+(filters and the page pushed down: the output is never loaded whole), filtered by error kind,
+finish reason, a text search in the output column, or a polars SQL condition as a step's
+``where`` takes it. A row's prompt is shown as the job rendered it: its template over its values.
+
+A row's text is data, never markup: the page is a static file whose script puts every value in
+the page with ``textContent``, and a Content-Security-Policy allows no script but that file's
+(a value holding ``<script>`` shows as those characters). The page binds to 127.0.0.1 unless
+told otherwise and loads nothing from the internet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipelines.errors import ConfigError, OutputError
+from pipelines.write import OutputStore, list_parts, summarize_part
+from udfs import columns
+
+PAGE_ROWS = 50  # rows per page, at most MAX_PAGE_ROWS when asked
+MAX_PAGE_ROWS = 500
+STATIC = Path(__file__).with_name("view_static")
+CSP = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'"
+
+
+class JobView:
+    """What the page shows of one output, read afresh at each request (parts' counts are
+    cached by part name: a part never changes once written)."""
+
+    def __init__(self, path: str):
+        self.store = OutputStore(path)
+        if self.store.read_record() is None:
+            raise OutputError(f"{path!r}: no overnight job record here "
+                              f"({self.store.record.name} is missing)")
+        self.counted: dict[str, dict] = {}
+        self._renderer = None
+
+    def _where(self) -> tuple[dict, Path, list[Path]]:
+        record = self.store.read_record() or {}
+        live = record.get("state") in ("running", "retrying", "committing") \
+            and self.store.staging.exists()
+        folder = self.store.staging if live else self.store.path
+        files = [Path(str(folder / p.name)) for p in list_parts(folder)[0]]
+        return record, Path(str(folder)), files
+
+    def key_column(self, record: dict) -> str:
+        return ((record.get("config") or {}).get("input") or {}).get("id_column") \
+            or columns.ROW_ID
+
+    def status(self) -> dict:
+        record, folder, files = self._where()
+        key = self.key_column(record)
+        rows = prompt = out = skipped = 0
+        errors: dict[str, int] = {}
+        steps = None
+        for file in files:
+            counts = self.counted.get(str(file))
+            if counts is None:
+                from pipelines.storage import Location
+
+                counts = self.counted[str(file)] = summarize_part(Location.of(file), key)
+            rows += counts["input_rows"]
+            prompt += counts["prompt_tokens"]
+            out += counts["completion_tokens"]
+            skipped += counts["skipped"]
+            for kind, n in json.loads(counts["errors"]).items():
+                errors[kind] = errors.get(kind, 0) + n
+            if counts.get("steps"):
+                from pipelines.write import add_steps
+
+                steps = add_steps(steps or [], counts["steps"])
+        config = record.get("config") or {}
+        from pipelines.report import report_lines, report_path
+
+        report = _read_json(report_path(self.store.path)) \
+            if record.get("state") == "complete" else None
+
+        return {
+            "output": str(self.store.path), "state": record.get("state"),
+            "model": (config.get("model") or {}).get("name"),
+            "rows_done": rows, "rows_total": record.get("rows_total") or rows,
+            "errors": dict(sorted(errors.items())), "skipped": skipped,
+            "tokens": {"prompt": prompt, "output": out}, "parts": len(files),
+            "started": record.get("started"),
+            "steps": [{k: s.get(k) for k in ("name", "rows_in", "rows_out", "dropped",
+                                             "errors")} for s in steps or []],
+            "report": report_lines(report) if report else None,
+            "columns": self._columns(files),
+            "output_column": (config.get("output") or {}).get("column"),
+        }
+
+    @staticmethod
+    def _columns(files: list[Path]) -> list[str]:
+        if not files:
+            return []
+        import pyarrow.parquet as pq
+
+        return [n for n in pq.read_schema(files[0]).names
+                if not n.startswith(columns.INTERNAL_PREFIX)]
+
+    def _frame(self, files, record, error_kind, finish_reason, text, where):
+        import polars as pl
+
+        frame = pl.scan_parquet([str(f) for f in files])
+        names = frame.collect_schema().names()
+        if error_kind:
+            frame = frame.filter(pl.col(columns.ERROR_KIND) == error_kind
+                                 if error_kind != "none" else pl.col(columns.ERROR).is_null())
+        if finish_reason and columns.FINISH_REASON in names:
+            frame = frame.filter(pl.col(columns.FINISH_REASON) == finish_reason)
+        column = ((record.get("config") or {}).get("output") or {}).get("column")
+        if text and column in names:
+            frame = frame.filter(pl.col(column).cast(pl.String).str.contains(
+                text, literal=True))
+        if where:
+            try:
+                frame = frame.filter(pl.sql_expr(where).fill_null(False))
+            except Exception as exc:  # polars' SQL parser: a user's condition, said in a line
+                raise ConfigError(f"where {where!r}: {_one_line(exc)}") from None
+        return frame
+
+    def rows(self, offset: int = 0, limit: int = PAGE_ROWS, error_kind: str | None = None,
+             finish_reason: str | None = None, text: str | None = None,
+             where: str | None = None) -> dict:
+        """A page of rows matching the filters, and how many match."""
+        import polars as pl
+
+        record, _, files = self._where()
+        if not files:
+            return {"columns": [], "rows": [], "matching": 0, "offset": 0}
+        limit = max(1, min(limit, MAX_PAGE_ROWS))
+        frame = self._frame(files, record, error_kind, finish_reason, text, where)
+        try:
+            matching = frame.select(pl.len()).collect().item()
+            page = frame.slice(max(offset, 0), limit).collect()
+        except Exception as exc:  # a condition that fails on the data (a cast, a type)
+            raise ConfigError(f"where {where!r}: {_one_line(exc)}") from None
+        shown = [c for c in page.columns if not c.startswith(columns.INTERNAL_PREFIX)]
+        return {"columns": shown, "offset": offset, "matching": matching,
+                "rows": [[_plain(row[c]) for c in shown]
+                         for row in page.select(shown).iter_rows(named=True)]}
+
+    def prompt(self, offset: int, **filters) -> dict:
+        """The prompt of the row at ``offset`` among those matching, as the job rendered it
+        (its template over its values; a job of steps: its first step's prompt)."""
+        record, _, files = self._where()
+        if not files:
+            return {"prompt": None}
+        page = self._frame(files, record, filters.get("error_kind"),
+                           filters.get("finish_reason"), filters.get("text"),
+                           filters.get("where")).slice(max(offset, 0), 1).collect()
+        if page.height == 0:
+            return {"prompt": None}
+        renderer = self._render(record)
+        if renderer is None:
+            return {"prompt": None}
+        row = page.row(0, named=True)
+        try:
+            values = {v: row.get(v) for v in renderer.variables}
+            return {"prompt": renderer.render_text(renderer.fill_nulls(values))}
+        except Exception as exc:  # noqa: BLE001 - the row's own error says why it has none
+            return {"prompt": None, "error": _one_line(exc)}
+
+    def _render(self, record: dict):
+        if self._renderer is None:
+            from udfs.prompts import PromptRenderer, RenderSpec
+
+            config = record.get("config") or {}
+            prompt = config.get("prompt") or next(
+                (s["prompt"] for s in config.get("steps") or () if s.get("prompt")), None)
+            if not prompt or prompt.get("template") is None:
+                return None
+            model = config.get("model") or {}
+            self._renderer = PromptRenderer(RenderSpec(
+                template=prompt["template"], tokenizer=model["name"], max_model_len=1 << 30,
+                max_tokens=0, system=prompt.get("system"),
+                chat=prompt.get("chat") if prompt.get("chat") is not None else True,
+                trust_remote_code=model.get("trust_remote_code", False),
+                chat_template_kwargs=prompt.get("chat_template_kwargs")))
+        return self._renderer
+
+
+def create_app(path: str):
+    from fastapi import FastAPI, HTTPException
+    from fastapi.responses import FileResponse, JSONResponse
+
+    view = JobView(path)
+    app = FastAPI(title="overnight view", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def _headers(request, call_next):
+        response = await call_next(request)
+        response.headers["Content-Security-Policy"] = CSP
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        return response
+
+    @app.get("/")
+    def page():
+        return FileResponse(STATIC / "view.html", media_type="text/html")
+
+    @app.get("/static/{name}")
+    def static(name: str):
+        if name not in ("view.js", "view.css"):
+            raise HTTPException(404)
+        kind = "text/javascript" if name.endswith(".js") else "text/css"
+        return FileResponse(STATIC / name, media_type=kind)
+
+    @app.get("/api/status")
+    def status():
+        return view.status()
+
+    @app.get("/api/rows")
+    def rows(offset: int = 0, limit: int = PAGE_ROWS, error_kind: str | None = None,
+             finish_reason: str | None = None, text: str | None = None,
+             where: str | None = None):
+        try:
+            return view.rows(offset, limit, error_kind, finish_reason, text, where)
+        except ConfigError as exc:
+            return JSONResponse({"error": str(exc)}, 400)
+
+    @app.get("/api/prompt")
+    def prompt(offset: int = 0, error_kind: str | None = None,
+               finish_reason: str | None = None, text: str | None = None,
+               where: str | None = None):
+        try:
+            return view.prompt(offset, error_kind=error_kind, finish_reason=finish_reason,
+                               text=text, where=where)
+        except ConfigError as exc:
+            return JSONResponse({"error": str(exc)}, 400)
+
+    return app
+
+
+def serve_view(path: str, host: str = "127.0.0.1", port: int = 8765) -> None:
+    import uvicorn
+
+    app = create_app(path)
+    print(f"overnight view: http://{host}:{port}/  ({path}; Ctrl-C stops it)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def _plain(value):
+    """A value as the page shows it: JSON's own types; nested values as JSON text."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+def _read_json(location) -> dict | None:
+    try:
+        return json.loads(location.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return (" ".join(str(exc).split()) or type(exc).__name__)[:300]

@@ -1,0 +1,109 @@
+// overnight view: every value goes into the page as text (textContent), never as markup.
+"use strict";
+let offset = 0;
+const LIMIT = 50;
+let lastTokens = null;
+
+function text(id, value) { document.getElementById(id).textContent = value; }
+
+function filters() {
+  const data = new FormData(document.getElementById("filters"));
+  const params = new URLSearchParams();
+  for (const [k, v] of data.entries()) { if (v) params.set(k, v); }
+  return params;
+}
+
+async function status() {
+  const s = await (await fetch("/api/status")).json();
+  text("output", s.output);
+  text("state", `${s.state || "?"} · model ${s.model || "?"} · ${s.parts} parts`);
+  text("rows", `${s.rows_done.toLocaleString()} / ${s.rows_total.toLocaleString()}`);
+  document.getElementById("done-bar").style.width =
+    `${Math.min(100, 100 * s.rows_done / Math.max(s.rows_total, 1))}%`;
+  const failed = Object.values(s.errors).reduce((a, b) => a + b, 0);
+  text("error-count", failed.toLocaleString());
+  const list = document.getElementById("errors");
+  list.replaceChildren(...Object.entries(s.errors).map(([kind, n]) => {
+    const li = document.createElement("li"); li.textContent = `${kind}: ${n}`; return li;
+  }));
+  const select = document.getElementById("f-error");
+  for (const kind of Object.keys(s.errors)) {
+    if (![...select.options].some(o => o.value === kind)) {
+      const o = document.createElement("option"); o.value = kind; o.textContent = kind;
+      select.appendChild(o);
+    }
+  }
+  text("tokens", `${s.tokens.prompt.toLocaleString()} in · ${s.tokens.output.toLocaleString()} out`);
+  if (lastTokens !== null && s.state === "running") {
+    text("rate", `${Math.round((s.tokens.output - lastTokens) / 3)} output tok/s written`);
+  } else { text("rate", ""); }
+  lastTokens = s.tokens.output;
+  const steps = document.getElementById("steps");
+  document.getElementById("steps-card").hidden = !s.steps.length;
+  steps.replaceChildren(...s.steps.map(step => {
+    const li = document.createElement("li");
+    li.textContent = `${step.name}: ${step.rows_in} in → ${step.rows_out} out` +
+      (step.dropped ? `, ${step.dropped} dropped` : "") + (step.errors ? `, ${step.errors} errors` : "");
+    return li;
+  }));
+  const report = document.getElementById("report");
+  report.hidden = !s.report;
+  if (s.report) report.textContent = s.report.join("\n");
+  return s;
+}
+
+async function rows() {
+  const params = filters();
+  params.set("offset", offset); params.set("limit", LIMIT);
+  const response = await fetch(`/api/rows?${params}`);
+  const body = await response.json();
+  const error = document.getElementById("rows-error");
+  error.hidden = response.ok;
+  if (!response.ok) { error.textContent = body.error; return; }
+  const head = document.querySelector("#table thead tr");
+  head.replaceChildren(...body.columns.map(c => {
+    const th = document.createElement("th"); th.textContent = c; return th;
+  }));
+  const errorAt = body.columns.indexOf("error");
+  const tbody = document.querySelector("#table tbody");
+  tbody.replaceChildren(...body.rows.map((row, i) => {
+    const tr = document.createElement("tr");
+    if (errorAt >= 0 && row[errorAt] !== null) tr.className = "failed";
+    tr.dataset.offset = body.offset + i;
+    for (const value of row) {
+      const td = document.createElement("td");
+      td.textContent = value === null ? "" : String(value);
+      tr.appendChild(td);
+    }
+    tr.addEventListener("click", () => prompt(body.offset + i));
+    return tr;
+  }));
+  const last = Math.min(body.offset + body.rows.length, body.matching);
+  text("matching", body.matching ? `rows ${body.offset + 1}–${last} of ${body.matching.toLocaleString()}` : "no rows");
+}
+
+async function prompt(at) {
+  const params = filters(); params.set("offset", at);
+  const body = await (await fetch(`/api/prompt?${params}`)).json();
+  document.getElementById("prompt-box").hidden = false;
+  text("prompt-row", String(at + 1));
+  text("prompt", body.prompt === null || body.prompt === undefined
+    ? (body.error || "(no prompt: this job has no template)") : body.prompt);
+}
+
+document.addEventListener("DOMContentLoaded", async () => {
+  document.getElementById("filters").addEventListener("submit", e => {
+    e.preventDefault(); offset = 0; rows();
+  });
+  document.getElementById("prev").addEventListener("click", () => {
+    offset = Math.max(0, offset - LIMIT); rows();
+  });
+  document.getElementById("next").addEventListener("click", () => { offset += LIMIT; rows(); });
+  let s = await status();
+  await rows();
+  setInterval(async () => {
+    const before = s.state;
+    s = await status();
+    if (s.state === "running" || before !== s.state) rows();
+  }, 3000);
+});
