@@ -63,6 +63,12 @@ def test_a_runs_metrics_equal_what_it_wrote(tiny_model, ray_cluster, tmp_path):
     assert after[("overnight_engine_restarts_total", ())] == 0
     assert after[("overnight_job_info", (("model", tiny_model),
                                          ("output", str(tmp_path / "out"))))] == 1
+    # and the run report's
+    report = json.loads((tmp_path / "out.report.json").read_text())
+    assert after[("overnight_rows_total", (("state", "failed"),))] == report["rows"]["errors"]
+    assert after[("overnight_rows_total", (("state", "ok"),))] == report["rows"]["ok"]
+    assert after[("overnight_tokens_total", (("kind", "output"),))] == \
+        report["tokens"]["output"]["total"]
     last = after[("overnight_last_progress_timestamp_seconds", ())]
     assert after[("overnight_job_start_timestamp_seconds", ())] <= last <= time.time()
 

@@ -21,7 +21,7 @@ from conftest import REPO, job_config
 
 XSS = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
 ROWS = [{"title": XSS if i == 2 else f"Lamp {i}",
-         "description": None if i == 5 else "A steel lamp."} for i in range(8)]
+         "description": None if i == 5 else "A steel lamp."} for i in range(60)]
 
 
 def _free_port() -> int:
@@ -100,16 +100,25 @@ def test_the_rows_of_a_finished_job_appear_and_markup_in_a_row_is_text(page, bro
 
     url, root = page
     browser.get(url)
-    rows = _wait(lambda: len(_rows(browser)) == 8 and _rows(browser))
+    rows = _wait(lambda: len(_rows(browser)) == 50 and _rows(browser))  # the first page
     heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#table thead th")]
     assert heads[:2] == ["title", "description"] and "rewritten" in heads
     assert rows[2][0] == XSS  # the row's value, shown as its characters
     assert browser.execute_script("return window.__xss") is None  # and never run
     assert browser.execute_script("return document.scripts.length") == 1  # view.js alone
-    assert browser.find_element(By.ID, "rows").text == "8 / 8"
+    assert browser.find_element(By.ID, "rows").text == "60 / 60"
     _wait(lambda: "null_field: 1" in browser.find_element(By.ID, "errors").text)
     assert "complete" in browser.find_element(By.ID, "state").text
+    # the counts are the run report's
+    report = json.loads((root / "out.report.json").read_text())
+    assert browser.find_element(By.ID, "error-count").text == str(report["rows"]["errors"])
+    assert browser.find_element(By.ID, "tokens").text == (
+        f"{report['tokens']['prompt']['total']:,} in · {report['tokens']['output']['total']:,} out")
     browser.save_screenshot(str(root / "view.png"))
+    # the next page: the last ten rows, in the output's order
+    browser.find_element(By.ID, "next").click()
+    _wait(lambda: browser.find_element(By.ID, "matching").text == "rows 51–60 of 60")
+    assert [r[0] for r in _rows(browser)] == [f"Lamp {i}" for i in range(50, 60)]
 
 
 def test_filters_and_a_rows_prompt(page, browser):
@@ -118,7 +127,7 @@ def test_filters_and_a_rows_prompt(page, browser):
 
     url, _ = page
     browser.get(url)
-    _wait(lambda: len(_rows(browser)) == 8)
+    _wait(lambda: len(_rows(browser)) == 50)
     Select(browser.find_element(By.ID, "f-error")).select_by_value("null_field")
     browser.find_element(By.CSS_SELECTOR, "#filters button[type=submit]").click()
     only = _wait(lambda: len(_rows(browser)) == 1 and _rows(browser))
@@ -126,7 +135,7 @@ def test_filters_and_a_rows_prompt(page, browser):
     Select(browser.find_element(By.ID, "f-error")).select_by_value("")
     where = browser.find_element(By.NAME, "where")
     where.clear()
-    where.send_keys("title LIKE 'Lamp 1%'")
+    where.send_keys("title = 'Lamp 1' OR title LIKE 'Lamp 1_' AND completion_tokens < 0")
     browser.find_element(By.CSS_SELECTOR, "#filters button[type=submit]").click()
     # (the page shows the filter's rows once they come: one row, Lamp 1, of 1 matching)
     _wait(lambda: [r[0] for r in _rows(browser)] == ["Lamp 1"]
@@ -149,5 +158,51 @@ def test_the_page_loads_nothing_from_elsewhere_and_binds_to_loopback(page):
     headers = httpx.get(url + "api/status").headers
     assert headers["content-security-policy"].startswith("default-src 'self'")
     status = httpx.get(url + "api/status").json()
-    assert status["rows_done"] == 8 and status["errors"] == {"null_field": 1}
+    assert status["rows_done"] == 60 and status["errors"] == {"null_field": 1}
     assert url.startswith("http://127.0.0.1:")
+
+
+def test_the_page_of_a_running_job_follows_its_parts(tiny_model, browser, tmp_path):
+    """A job run by the CLI while the page is open: the rows written move as parts are
+    committed, and the page ends at the whole table, complete."""
+    import yaml
+    from selenium.webdriver.common.by import By
+
+    rows = [{"title": f"Lamp {i}", "description": "A steel lamp."} for i in range(1200)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_config(tiny_model, tmp_path / "in.jsonl",
+                                              tmp_path / "out", sampling={"max_tokens": 32})))
+    job = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(path), "--quiet"],
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    record = tmp_path / "out.overnight.json"
+    _wait(lambda: record.exists() or job.poll() is not None, timeout=120)
+    port = _free_port()
+    view = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "view", str(tmp_path / "out"),
+                             "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        _wait(lambda: _up(url), timeout=60)
+        browser.get(url)
+        seen = []
+        while job.poll() is None:
+            seen.append((browser.find_element(By.ID, "rows").text,
+                         browser.find_element(By.ID, "state").text.split(" ")[0]))
+            time.sleep(0.5)
+        assert job.returncode == 0, job.stderr.read()[-2000:]
+        _wait(lambda: browser.find_element(By.ID, "rows").text == "1,200 / 1,200"
+              and browser.find_element(By.ID, "state").text.startswith("complete"), timeout=30)
+    finally:
+        view.terminate()
+        view.wait(30)
+    running = {text for text, state in seen if state == "running"}
+    assert len(running) >= 2, seen  # the page moved while the job ran
+    assert any(text not in ("", "-", "0 / 1,200", "1,200 / 1,200") for text in running), seen
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
