@@ -331,3 +331,39 @@ def test_a_server_as_the_engine_gets_each_rows_adapter_as_its_model(
     served = pl.read_parquet(root / "http")
     assert served["rewritten"].to_list() == out["rewritten"].to_list()
     assert served["error_kind"].to_list() == out["error_kind"].to_list()
+
+
+def test_overnight_serve_runs_a_batch_on_the_adapter_its_model_names(
+        tiny_model, adapters, lora_job, tmp_path):
+    """The server's config declares the adapters; a batch whose requests name one by model
+    runs on it, as the table job's rows on that adapter."""
+    from test_serve import KEY, Server, wait
+
+    _, _, out = lora_job
+    server = Server(tmp_path, tiny_model)
+    job = json.loads((tmp_path / "job.yaml").read_text())
+    job["model"]["adapters"] = adapters
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    rows = [i for i, row in enumerate(ROWS) if row["lang"] == "fr"][:4]
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "fr", "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": f"Title: {ROWS[i]['title']}\n"
+                                                                f"{ROWS[i]['description']}"}]}}
+             for i in rows]
+    (tmp_path / "fr.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    server.start()
+    try:
+        client = server.client(KEY)
+        batch = client.batches.create(
+            input_file_id=client.files.create(file=tmp_path / "fr.jsonl", purpose="batch").id,
+            endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait(client, batch.id)[-1]
+        assert done.status == "completed", (done.errors, server.log())
+        results = {line["custom_id"]: line["response"]["body"] for line in map(
+            json.loads, client.files.content(done.output_file_id).text.splitlines())}
+    finally:
+        server.stop()
+    for i in rows:
+        assert results[f"r{i}"]["choices"][0]["message"]["content"] == out["rewritten"][i]
+        assert results[f"r{i}"]["model"] == "fr"
