@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from pipelines.errors import ConfigError, OutputError
+from pipelines.storage import Location
 from pipelines.write import OutputStore, list_parts, summarize_part
 from udfs import columns
 
@@ -62,8 +63,6 @@ class JobView:
         for file in files:
             counts = self.counted.get(str(file))
             if counts is None:
-                from pipelines.storage import Location
-
                 counts = self.counted[str(file)] = summarize_part(Location.of(file), key)
             rows += counts["input_rows"]
             prompt += counts["prompt_tokens"]

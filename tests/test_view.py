@@ -66,7 +66,7 @@ def browser():
                    "install chromium chromium-driver; make test tries)")
         if os.environ.get("OVERNIGHT_REQUIRE_BROWSER"):
             pytest.fail(message)
-        pytest.skip(message)
+        pytest.skip(reason=message)
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",

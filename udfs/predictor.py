@@ -63,12 +63,10 @@ class SamplingSpec:
     reasoning_column: str | None = None
     budget_key: str = "sampling.max_tokens"  # where the config sets max_tokens, for errors
     # LoRA adapters (model.adapters): the names the engine holds, the one a row without its
-    # own runs on (None: the base model), the column that names each row's, and the values of
-    # it that mean the base model (a Batch file's served model name)
+    # own runs on (None: the base model), and the column that names each row's
     adapters: tuple[str, ...] = ()
     adapter: str | None = None
     adapter_column: str | None = None
-    base_names: tuple[str, ...] = ()
 
 
 class RowOverrides(BaseModel):
@@ -200,8 +198,8 @@ class Predictor:
             return [s.adapter] * rows, {}
         names, unknown = [], {}
         for i, value in enumerate(batch.column(s.adapter_column).to_pylist()):
-            if value is None or value in s.base_names:
-                names.append(s.adapter if value is None else None)
+            if value is None:
+                names.append(s.adapter)
             elif value in s.adapters:
                 names.append(value)
             else:
