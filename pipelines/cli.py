@@ -7,6 +7,7 @@ with status 2; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,22 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set sampling.max_tokens=32 (repeatable)")
 
 
+def _reuse_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reuse", action="store_true",
+                   help="carry over the rows of the earlier output at output.path whose "
+                   "request is unchanged; generate the rest (output.reuse)")
+    p.add_argument("--reuse-from", metavar="PATH",
+                   help="carry over rows from this earlier output instead (output.reuse_from)")
+
+
+def _overrides(args) -> list[str]:
+    """--set's, with --reuse and --reuse-from as the settings they stand for."""
+    extra = ["output.reuse=true"] * bool(getattr(args, "reuse", False))
+    if getattr(args, "reuse_from", None):
+        extra.append(f"output.reuse_from={json.dumps(args.reuse_from)}")
+    return [*args.overrides, *extra]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="overnight", description="Batch LLM inference over tables, on your own GPUs.")
@@ -34,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replace an existing output, and discard an unfinished run's parts")
     run.add_argument("--retry-errors", action="store_true",
                      help="re-run only the rows of the finished output whose error is set")
+    _reuse_args(run)
     run.add_argument("--verbose", action="store_true", help="show Ray's own logs and bars")
     run.add_argument("--quiet", action="store_true", help="no progress line")
     run.add_argument("--metrics-port", type=int, metavar="PORT",
@@ -43,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a job without starting an engine")
     _config_args(validate)
+    _reuse_args(validate)
 
     batch = sub.add_parser("batch", help="run an OpenAI Batch API request file")
     batch.add_argument("requests", help="the request file (.jsonl, one request a line)")
@@ -119,7 +138,7 @@ def cmd_run(args) -> int:
     from pipelines.progress import Progress
     from pipelines.report import report_lines
 
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, _overrides(args))
     progress = Progress(total=0, enabled=not args.quiet)
     close = None
     if args.metrics_port is not None:  # pipelines/metrics.py: the run's progress, scraped
@@ -169,7 +188,7 @@ def cmd_validate(args) -> int:
     from pipelines.config import load_config
     from pipelines.validate import validate_job
 
-    report = validate_job(load_config(args.config, args.overrides))
+    report = validate_job(load_config(args.config, _overrides(args)))
     for line in report.lines():
         print(line)
     return 0

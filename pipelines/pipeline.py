@@ -22,7 +22,9 @@ from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_repli
 from pipelines.storage import scrub_record
 from pipelines.watchdog import watch
 from pipelines.compact import compact
-from pipelines.write import OutputStore, PartLayout, PartWriter, RetryWriter, add_steps
+from pipelines.reuse import plan_reuse, reuse_source, stage_reused
+from pipelines.write import (OutputStore, PartLayout, PartWriter, RetryWriter, add_steps,
+                             diff_fingerprints)
 from udfs import columns
 from udfs.chain import chain_named_for
 from udfs.columns import ErrorKind
@@ -38,6 +40,8 @@ class RunSummary:
     input_rows: int = 0
     rows_total: int = 0
     rows_resumed: int = 0  # written by an earlier, interrupted run of the same job
+    rows_reused: int = 0  # carried over from an earlier output (output.reuse)
+    reuse: dict | None = None  # with output.reuse: what was carried over (pipelines/reuse.py)
     skipped: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
@@ -87,6 +91,12 @@ class RunSummary:
         out = []
         if self.rows_resumed:
             out.append(f"resumed: {self.rows_resumed} rows were written by an earlier run")
+        if self.reuse is not None:
+            r = self.reuse
+            out.append(f"reused: {r['reused']} rows carried over from {r['source']} "
+                       f"({r['prompt_tokens_saved'] + r['completion_tokens_saved']} tokens "
+                       f"not generated again), {r['generated']} generated, {r['dropped']} "
+                       "earlier rows no longer asked for")
         if self.structured:
             valid = self.rows_generated - self.errors.get(ErrorKind.PARSE, 0)
             out.append(f"structured output: {valid}/{self.rows_generated} valid "
@@ -210,6 +220,9 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     if retry_errors and config.steps is not None:
         raise JobError("--retry-errors does not apply to a job with steps yet (a row's steps "
                        "run together); run the job again with --overwrite")
+    if retry_errors and (config.output.reuse or config.output.reuse_from):
+        raise JobError("--retry-errors and output.reuse do not go together: a reuse run "
+                       "generates the rows that failed before anyway; drop one")
     with stage("planning the job"):  # every stage's unforeseen failure: one line
         plan = plan_job(config)
     planned = time.time()
@@ -218,18 +231,20 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     block_starts = tuple(b.ordinal for b in plan.input.blocks)
     if not retry_errors and (record := store.interrupted_commit(plan.fingerprint)):
         return _finish_commit(store, record)
+    progress = progress or Progress(total=0, enabled=False)
+    reusing = _plan_reuse(plan, store, progress) if not retry_errors else None
     try:
         if retry_errors:
             only_rows, done = store.open_retry(plan.fingerprint, key_column, block_starts,
                                                plan.input.num_rows), set()
             todo = sum(len(rows) for rows in only_rows.values())
         else:
-            done = store.open(plan.fingerprint, overwrite=overwrite,
+            # a reuse run replaces the output it reuses (at its commit, as any run does)
+            done = store.open(plan.fingerprint, overwrite=overwrite or reusing is not None,
                               rows_total=plan.input.num_rows, block_starts=block_starts)
             # of blocks written in part by an interrupted run, only the rows still to run
             only_rows = store.remaining or None
-            todo = sum(len(only_rows[b.ordinal]) if only_rows and b.ordinal in only_rows
-                       else b.num_rows for b in plan.input.blocks if b.ordinal not in done)
+            todo = _rows_to_run(plan, done, only_rows)
     except OSError as exc:  # permissions, a full disk, an object store refusing
         raise OutputError(f"output.path {str(store.path)!r}: cannot write there: "
                           f"{' '.join(str(exc).split())[:300]}") from None
@@ -246,9 +261,16 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         dedupe=config.output.dedupe,
         rows_total=plan.input.num_rows,
         keep_dropped=config.output.keep_dropped,
-        metadata=((columns.JOB_METADATA, json.dumps(job_metadata(plan.config)).encode()),),
+        metadata=((columns.JOB_METADATA, json.dumps(job_metadata(plan)).encode()),),
+        request_key=plan.request_key,
     )
-    progress = progress or Progress(total=0, enabled=False)
+    reused = None
+    if reusing is not None:  # the rows found, staged as parts before any engine starts
+        with stage("staging the reused rows"):
+            reused = _stage_reuse(plan, store, reusing, layout, done)
+        done = store.resume(block_starts, plan.input.num_rows)
+        only_rows = store.remaining or None
+        todo = _rows_to_run(plan, done, only_rows)
     already = 0 if retry_errors else plan.input.num_rows - todo
     progress.total = todo + already
     progress.requests_total = todo * requests_per_row(config)
@@ -298,7 +320,9 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     summary.rows_total = plan.input.num_rows
     if config.output.dedupe:  # every input row was written with n samples, less duplicates
         summary.deduped = plan.input.num_rows * config.sampling.n - summary.rows
-    summary.rows_resumed = plan.input.num_rows - todo
+    summary.rows_reused = reused["reused"] if reused else 0
+    summary.rows_resumed = plan.input.num_rows - todo - summary.rows_reused
+    summary.reuse = reused
     summary.seconds = time.time() - started
     summary.recovery = recovery
     record = scrub_record({"fingerprint": plan.fingerprint,
@@ -319,6 +343,12 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
             "finished": time.time()})
         summary.report_path = str(write_report(store.path, summary.report))
     return summary
+
+
+def _rows_to_run(plan: JobPlan, done: set[int], only_rows: dict | None) -> int:
+    """The input rows this run generates: of the blocks not done, the rows no part holds."""
+    return sum(len(only_rows[b.ordinal]) if only_rows and b.ordinal in only_rows
+               else b.num_rows for b in plan.input.blocks if b.ordinal not in done)
 
 
 @contextmanager
@@ -360,12 +390,54 @@ def requests_per_row(config: JobConfig) -> int:
     return total
 
 
-def job_metadata(config: JobConfig) -> dict:
+def job_metadata(plan: JobPlan) -> dict:
     """What every file of the output says of the job that wrote it: the columns it added, and
     the prefix a later job reading this output names them by, where it would add the same
-    (pipelines/preflight.py: ``output.column`` + ``_finish_reason``...)."""
+    (pipelines/preflight.py: ``output.column`` + ``_finish_reason``...); the settings in its
+    request keys, for a re-run to say which changed (pipelines/reuse.py)."""
+    config = plan.config
     prefix = "job" if config.steps is not None else config.output.column
-    return {"prefix": prefix, "added": config.generated_columns()}
+    meta = {"prefix": prefix, "added": config.generated_columns()}
+    if plan.request_key is not None:
+        meta["request_key"] = json.loads(plan.request_key.parts)
+    return meta
+
+
+def _plan_reuse(plan: JobPlan, store: OutputStore, progress: Progress):
+    """With output.reuse: the earlier output's rows this run's table asks for again (None:
+    no reuse). A resumed reuse run has staged them already: its record says what it found."""
+    if plan.request_key is None or not (plan.config.output.reuse
+                                        or plan.config.output.reuse_from):
+        return None
+    record = store.read_record() or {}
+    if (record.get("state") == "running" and store.staging.exists()
+            and record.get("reuse") and not diff_fingerprints(record.get("fingerprint", {}),
+                                                              plan.fingerprint)):
+        return record["reuse"]  # staged before it stopped
+    source = reuse_source(plan.config)
+    if source is None:
+        progress.say(f"reuse: no earlier output at {plan.config.output.path} yet; every row "
+                     "is generated")
+        return None
+    with stage("finding the rows to reuse"):
+        found = plan_reuse(plan, source)
+    progress.say(found.line())
+    return found
+
+
+def _stage_reuse(plan: JobPlan, store: OutputStore, found, layout: PartLayout,
+                 done: set[int]) -> dict:
+    """The rows found, written as parts; the record says so, so that a resumed run does not
+    look for them again."""
+    if isinstance(found, dict):  # a resumed run's: staged already
+        return found
+    saved = stage_reused(plan, found, layout, done)
+    reused = {**found.record(), "reused": saved["rows"],
+              "generated": plan.input.num_rows - saved["rows"],
+              "prompt_tokens_saved": saved["prompt_tokens"],
+              "completion_tokens_saved": saved["completion_tokens"]}
+    store.write_record({**(store.read_record() or {}), "reuse": reused})
+    return reused
 
 
 MAX_SAMPLES = 1000  # the report's throughput-over-time samples, at most about

@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipelines.adapters import adapter_sampling, adapters_fingerprint, check_adapters
+from pipelines.request_key import KeySpec, key_columns, key_parts
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
 from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, read_unit,
@@ -45,6 +46,8 @@ class JobPlan:
     structured: StructuredSpec | None = None
     pooling: PoolingSpec | None = None  # task: embed | score | classify
     steps: tuple | None = None  # a job of several steps: StepSpec each (udfs/steps.py)
+    # a generate job's: how its rows' request keys are made (pipelines/request_key.py)
+    request_key: KeySpec | None = None
 
     @property
     def fingerprint_hash(self) -> str:
@@ -173,13 +176,16 @@ def plan_job(config: JobConfig) -> JobPlan:
     kind = config.engine.kind
     if pooling is not None and kind == "vllm":
         kind = "vllm_pooling"  # udfs/pooling_engine.py; the HTTP engine does both
+    # as recorded: no credentials, and as JSON keeps it (a resume compares it with the
+    # record's: a logit_bias's token ids come back as strings)
+    fingerprint = json.loads(json.dumps(scrub_record(_fingerprint(
+        config, plan, max_model_len, structured)), default=str))
+    request_key = (KeySpec.of(key_parts(fingerprint), key_columns(config, variables))
+                   if columns.REQUEST_KEY in config.generated_columns() else None)
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(kind, config.model.name, engine_options),
                    sampling=sampling, structured=structured, pooling=pooling, steps=steps,
-                   # as recorded: no credentials, and as JSON keeps it (a resume compares it
-                   # with the record's: a logit_bias's token ids come back as strings)
-                   fingerprint=json.loads(json.dumps(scrub_record(_fingerprint(
-                       config, plan, max_model_len, structured)), default=str)))
+                   fingerprint=fingerprint, request_key=request_key)
 
 
 def _name_apart(schema: pa.Schema, earlier: dict, config: JobConfig) -> pa.Schema:
@@ -624,8 +630,10 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
         **({"steps": [s.model_dump() for s in config.steps]} if config.steps else {}),
         "model": {**config.model.model_dump(), "max_model_len": max_model_len},
         "sampling": config.sampling.model_dump(),
-        # file_size_mb changes how the output is cut into files, not what it holds
-        "output": config.output.model_dump(exclude={"path", "file_size_mb"}),
+        # file_size_mb changes how the output is cut into files, not what it holds; reuse
+        # where its rows come from, not what they are
+        "output": config.output.model_dump(exclude={"path", "file_size_mb", "reuse",
+                                                    "reuse_from"}),
         "resources.batch_size": config.resources.batch_size,
         "engine": _engine_fingerprint(config),
         **({"adapters": adapters_fingerprint(config.model.adapters)}

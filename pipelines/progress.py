@@ -60,6 +60,11 @@ class Progress:
         self._emit(f"overnight: {self.total} rows -> {output}"
                    + (f" (resuming: {already} already written)" if already else ""))
 
+    def say(self, text: str) -> None:
+        """A line of its own (what a run found before it starts)."""
+        with self.lock:
+            self._emit(text)
+
     def update(self, rows: int, tokens: int, errors: int, by_kind: dict | None = None,
                prompt_tokens: int = 0) -> None:
         with self.lock:

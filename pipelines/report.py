@@ -105,6 +105,9 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     if (config.get("model") or {}).get("adapters"):
         report["adapters"] = adapter_counts(output, config)
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
+    reuse = summary.get("reuse") or record.get("reuse")
+    if reuse:  # output.reuse: the rows carried over, and what generating them would cost
+        report["reuse"] = _reuse(reuse, (config.get("report") or {}).get("price_per_mtok"))
     if timings and times is not None:
         report.update(_times(timings, times))
         if samples:  # the throughput as the replicas generated it, not as parts landed
@@ -248,6 +251,17 @@ def _histogram(pairs: list[tuple[int, int]]) -> dict:
     for value, n in pairs:
         counts[int(value) // width] += n
     return {"edges": [i * width for i in range(len(counts) + 1)], "counts": counts}
+
+
+def _reuse(reuse: dict, prices: dict | None) -> dict:
+    out = {k: reuse.get(k) for k in ("source", "reused", "generated", "dropped", "failed",
+                                      "why_none", "prompt_tokens_saved",
+                                      "completion_tokens_saved")}
+    if prices:
+        out["cost_saved"] = round(reuse.get("prompt_tokens_saved", 0) / 1e6 * prices["input"]
+                                  + reuse.get("completion_tokens_saved", 0) / 1e6
+                                  * prices["output"], 6)
+    return out
 
 
 def _cost(prices: dict | None, tokens: dict) -> dict | None:
@@ -427,6 +441,15 @@ def report_lines(report: dict) -> list[str]:
                          + (f", {r['dtype']}" if r.get("dtype") else "") + ": "
                          f"{r['rows']} rows, {r['output_tokens']:,} tok, "
                          f"{r['output_tokens_per_s']:,.0f} tok/s")
+    reuse = report.get("reuse")
+    if reuse:
+        saved = reuse["prompt_tokens_saved"] + reuse["completion_tokens_saved"]
+        lines.append(f"reuse        {reuse['reused']:,} rows carried over from {reuse['source']}, "
+                     f"{reuse['generated']:,} generated, {reuse['dropped']:,} earlier rows no "
+                     f"longer asked for; {saved:,} tokens not generated again"
+                     + (f" (${reuse['cost_saved']:.4f} hosted)" if "cost_saved" in reuse else "")
+                     + (f"; none reused: {reuse['why_none']}" if reuse.get("why_none")
+                        and not reuse["reused"] else ""))
     cost = report.get("cost")
     if cost:
         p = cost["price_per_mtok"]

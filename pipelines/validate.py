@@ -30,6 +30,7 @@ class ValidationReport:
     error_examples: dict[str, list[str]] = field(default_factory=dict)
     skipped: int = 0
     samples: list[str] = field(default_factory=list)
+    reuse: str | None = None  # with output.reuse: the rows it would carry over, and why not
 
     def percentile(self, q: float) -> int:
         ordered = sorted(self.lengths)
@@ -62,6 +63,8 @@ class ValidationReport:
                        + "; ".join(self.error_examples[kind]))
         if not self.errors:
             out.append("will fail: no row")
+        if self.reuse:
+            out.append(self.reuse)
         for i, text in enumerate(self.samples):
             out.append(f"--- prompt {i + 1} ---\n{text}")
         return out
@@ -108,4 +111,18 @@ def validate_job(config: JobConfig) -> ValidationReport:
             rows = table.filter(ok).select(renderer.variables).to_pylist()
             for row in rows[: EXAMPLES - len(report.samples)]:
                 report.samples.append(renderer.render_text(renderer.fill_nulls(row)))
+    report.reuse = _reuse_line(plan)
     return report
+
+
+def _reuse_line(plan: JobPlan) -> str | None:
+    """With output.reuse: how many rows the run would carry over (pipelines/reuse.py)."""
+    from pipelines.reuse import plan_reuse, reuse_source
+
+    c = plan.config
+    if plan.request_key is None or not (c.output.reuse or c.output.reuse_from):
+        return None
+    source = reuse_source(c)
+    if source is None:
+        return f"reuse: no earlier output at {c.output.path} yet; every row is generated"
+    return plan_reuse(plan, source).line()

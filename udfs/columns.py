@@ -20,6 +20,10 @@ GENERATED = (FINISH_REASON, PROMPT_TOKENS, COMPLETION_TOKENS, ERROR_KIND, ERROR)
 # With model.reasoning_parser: the tokens of completion_tokens the model spent thinking (its
 # thinking itself is in output.reasoning_column), after completion_tokens
 REASONING_TOKENS = "reasoning_tokens"
+# A generate job's last column: 32 hex digits over what determines the row's generation (the
+# job's settings that do, and the row's values its prompt reads); a re-run with output.reuse
+# carries over the rows whose key it finds in the earlier output (pipelines/reuse.py)
+REQUEST_KEY = "request_key"
 
 # Internal: the row's 0-based position in the whole input, across files. Orders the output
 # and names the parts, so a resumed job knows which rows are done without reading them.

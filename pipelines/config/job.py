@@ -193,6 +193,20 @@ class JobConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _reuse_applies(self) -> JobConfig:
+        """output.reuse: what a row's request key covers today (pipelines/reuse.py)."""
+        if not (self.output.reuse or self.output.reuse_from):
+            return self
+        what = ("a job with steps" if self.steps is not None
+                else f"task: {self.task}" if self.task != "generate"
+                else "output.dedupe (a row's samples are carried over whole)"
+                if self.output.dedupe else None)
+        if what is not None:
+            key = "output.reuse_from" if self.output.reuse_from else "output.reuse"
+            raise ValueError(f"{key} does not apply to {what} yet; run it without reuse")
+        return self
+
+    @model_validator(mode="after")
     def _output_column_free(self) -> JobConfig:
         if self.output.column in columns.GENERATED:
             raise ValueError(
@@ -255,7 +269,7 @@ class JobConfig(_Strict):
             added.insert(0, columns.SAMPLE_INDEX)
         if self.input.id_column is None:
             added.insert(0, columns.ROW_ID)
-        return added
+        return [*added, columns.REQUEST_KEY]
 
 
     def _pooling_columns(self) -> list[str]:

@@ -216,6 +216,13 @@ class OutputConfig(_Strict):
     file_size_mb: float = Field(
         128, gt=0, description="The finished output's files are about this size (MiB on "
         "disk), in input order: the job's parts are compacted into them at the end.")
+    reuse: bool = Field(
+        False, description="A re-run over a changed table: carry over the rows of the earlier "
+        "output at output.path whose request is unchanged (their request_key), generate the "
+        "rest; the new output is the new table's rows in its order (docs/guide/reuse.md).")
+    reuse_from: str | None = Field(
+        None, description="Reuse the rows of this earlier output instead (a folder, local or "
+        "on an object store: yesterday's snapshot); implies reuse.")
 
 
 class ResourcesConfig(_Strict):

@@ -132,6 +132,10 @@ class OutputStore:
                            "rows_total": rows_total, "fingerprint": fingerprint})
         return set()
 
+    def resume(self, block_starts: tuple[int, ...], rows_total: int) -> set[int]:
+        """``open``'s answer again, once more parts are staged (a reuse run's own)."""
+        return self._resume(block_starts, rows_total)
+
     def _resume(self, block_starts: tuple[int, ...], rows_total: int) -> set[int]:
         """The blocks the staged parts cover whole. Superseded parts are removed. Of a block
         only partly written (its other rows were in flight when the run stopped), the rows

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipelines.request_key import request_keys
 from pipelines.storage import Location
 from pipelines.write.counts import RECORD_SCHEMA, _timing, count_part, read_part
 from pipelines.write.parts import _SAMPLES_PIECE, part_name, part_range
@@ -45,6 +46,8 @@ class PartLayout:
     # the Parquet schema metadata of every file written: the job that wrote it
     # (columns.JOB_METADATA), for a job that reads this output as its input
     metadata: tuple[tuple[bytes, bytes], ...] = ()
+    # a generate job's request keys (pipelines/request_key.py): each row's, in request_key
+    request_key: object | None = None
 
     def block_end(self, start: int) -> int:
         i = bisect.bisect_right(self.block_starts, start)
@@ -59,6 +62,9 @@ class _Writer:
     def _arrange(self, table: pa.Table) -> pa.Table:
         if columns.ROW_ID in self.layout.added_columns:
             table = table.append_column(columns.ROW_ID, table.column(columns.ORDINAL))
+        if self.layout.request_key is not None and columns.REQUEST_KEY not in table.column_names:
+            table = table.append_column(columns.REQUEST_KEY,
+                                        request_keys(table, self.layout.request_key))
         return table.select([*self.layout.source_columns, *self.layout.added_columns])
 
     def _dedupe(self, part: pa.Table) -> list[int]:

@@ -1,0 +1,376 @@
+"""Reuse: a re-run over a changed table carries over the rows whose request is unchanged.
+
+Every row of a generate job's output holds its request key (``request_key``, made in
+pipelines/request_key.py). The key is a column, not a sidecar: it travels with the row wherever
+the output is copied (yesterday's snapshot, an object store), and a reader that does not want
+it leaves one column out.
+
+A run with ``output.reuse`` (or ``output.reuse_from``) finds the new table's keys among the
+earlier output's (``plan_reuse``), then stages the rows found as parts, their generated columns
+beside the new table's values in the new table's order (``stage_reused``), before any engine
+starts; the rest run as the rows still to do of a resumed job do. The lookup is a join of two
+key columns, never a dict of rows: both sides are hashed a block at a time and spilled to local
+files by their keys' bits, and each slice is joined by sorting, so the driver holds 12 bytes a
+new row (where its earlier outputs are) and one slice at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipelines.errors import OutputError
+from pipelines.request_key import KeySpec, key_words, request_keys
+from pipelines.storage import Location
+from pipelines.write.parts import list_parts
+from udfs import columns
+
+SLICE_ROWS = 500_000  # keys joined at once, about (each side)
+BUCKET_ROWS = 200_000  # carried rows gathered at once into the new table's order, about
+
+
+@dataclass
+class ReusePlan:
+    """What a re-run carries over: for each new row, where its earlier outputs are."""
+
+    source: str
+    rows: int  # the new table's
+    reused: int = 0
+    earlier_rows: int = 0  # the earlier output's input rows
+    dropped: int = 0  # earlier rows whose request the new table no longer makes
+    failed: int = 0  # earlier rows found, with an error: generated again
+    why_none: str | None = None  # with nothing reused: why
+    files: list = field(default_factory=list, repr=False)  # the earlier output's files
+    file_rows: np.ndarray | None = field(default=None, repr=False)  # their first global rows
+    at: np.ndarray | None = field(default=None, repr=False)  # int64[rows]: first earlier row, -1
+    count: np.ndarray | None = field(default=None, repr=False)  # int32[rows]: its samples
+
+    @property
+    def generated(self) -> int:
+        return self.rows - self.reused
+
+    def line(self) -> str:
+        line = (f"reuse: {self.reused} of {self.rows} rows reusable from {self.source}; "
+                f"{self.generated} to generate")
+        if self.why_none:
+            return f"{line} ({self.why_none})"
+        extra = [f"{self.failed} of them failed before" if self.failed else "",
+                 f"{self.dropped} earlier rows no longer asked for (removed or changed)"
+                 if self.dropped else ""]
+        return line + "".join(f"; {e}" for e in extra if e)
+
+    def record(self) -> dict:
+        return {"source": self.source, "rows": self.rows, "reused": self.reused,
+                "generated": self.generated, "dropped": self.dropped, "failed": self.failed,
+                "why_none": self.why_none}
+
+
+def reuse_source(config) -> Location | None:
+    """The earlier output a run reuses: output.reuse_from, or with output.reuse the output
+    itself where it is complete. None: nothing to reuse (a first run)."""
+    if config.output.reuse_from:
+        return Location.of(config.output.reuse_from)
+    if not config.output.reuse:
+        return None
+    out = Location.of(config.output.path)
+    try:
+        record = json.loads(out.sibling(".overnight.json").read_text())
+    except (FileNotFoundError, ValueError):
+        record = {}
+    # an unfinished run's own staging is resumed, the output it replaces is still whole
+    if out.exists() and record.get("state") in ("complete", "running", "committing"):
+        return out
+    return None
+
+
+def plan_reuse(plan, source: Location) -> ReusePlan:
+    """Find the new table's requests among the earlier output's (``plan``: a JobPlan)."""
+    files = [source / p.name for p in _parts(source)]
+    result = ReusePlan(source=str(source), rows=plan.input.num_rows, files=files)
+    if not files:
+        result.why_none = "the earlier output has no files"
+        return result
+    schema = _schema(files[0])
+    if columns.REQUEST_KEY not in schema.names:
+        result.why_none = ("the earlier output has no request_key column: it was written "
+                           "before overnight kept one")
+        return result
+    earlier = json.loads((schema.metadata or {}).get(columns.JOB_METADATA, b"{}"))
+    spec = plan.request_key
+    theirs = earlier.get("request_key")
+    if theirs is not None and theirs != json.loads(spec.parts):  # every key differs
+        result.why_none = f"{', '.join(changed_keys(theirs, json.loads(spec.parts)))} changed"
+        result.earlier_rows = result.dropped = _rows(files)  # (rows, not input rows: about)
+        return result
+    with tempfile.TemporaryDirectory(prefix="overnight-reuse-") as spill:
+        slices = max(1, -(-max(plan.input.num_rows, _rows(files)) // SLICE_ROWS))
+        new = _Spill(spill, "new", slices)
+        _spill_new(plan, spec, new)
+        old = _Spill(spill, "old", slices)
+        result.file_rows = _spill_old(files, old)
+        result.earlier_rows = old.rows
+        result.at = np.full(plan.input.num_rows, -1, np.int64)
+        result.count = np.zeros(plan.input.num_rows, np.int32)
+        for i in range(slices):
+            _join(new.read(i), old.read(i), result)
+    result.reused = int((result.at >= 0).sum())
+    if result.reused == 0 and result.why_none is None:
+        result.why_none = "no row's request is the same"
+    return result
+
+
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The settings that differ, as dotted keys (``prompt.template``), at most two deep."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict) and not prefix:
+            out += changed_keys(a, b, f"{name}.")
+        else:
+            out.append(name)
+    return out or ["the settings"]
+
+
+def _parts(source: Location):
+    if not source.exists():
+        raise OutputError(f"output.reuse_from {str(source)!r}: no such output")
+    return list_parts(source)[0]
+
+
+def _schema(file: Location) -> pa.Schema:
+    with file.open() as handle:
+        return pq.read_schema(handle)
+
+
+def _rows(files: list[Location]) -> int:
+    total = 0
+    for file in files:
+        with file.open() as handle:
+            total += pq.ParquetFile(handle).metadata.num_rows
+    return total
+
+
+class _Spill:
+    """Keys spilled to local files by their leading bits: each slice joins in memory."""
+
+    DTYPE = {"new": np.dtype([("high", "<u8"), ("low", "<u8"), ("row", "<i8")]),
+             "old": np.dtype([("high", "<u8"), ("low", "<u8"), ("row", "<i8"),
+                              ("count", "<i4"), ("ok", "?")])}
+
+    def __init__(self, folder: str, side: str, slices: int):
+        self.dtype = self.DTYPE[side]
+        self.paths = [os.path.join(folder, f"{side}-{i}.bin") for i in range(slices)]
+        self.slices = slices
+        self.rows = 0
+
+    def add(self, records: np.ndarray) -> None:
+        self.rows += len(records)
+        which = (records["high"] % np.uint64(self.slices)).astype(np.int64)
+        order = np.argsort(which, kind="stable")
+        cuts = np.searchsorted(which[order], np.arange(1, self.slices))
+        for i, rows in enumerate(np.split(order, cuts)):
+            if len(rows):
+                with open(self.paths[i], "ab") as handle:
+                    handle.write(records[rows].tobytes())
+
+    def read(self, i: int) -> np.ndarray:
+        if not os.path.exists(self.paths[i]):
+            return np.empty(0, self.dtype)
+        data = np.fromfile(self.paths[i], self.dtype)
+        os.remove(self.paths[i])
+        return data
+
+
+def _spill_new(plan, spec: KeySpec, spill: _Spill) -> None:
+    from pipelines.read import read_unit, read_units
+
+    for unit in read_units(plan.input.blocks):
+        for block in read_unit(unit, plan.input.schema):
+            high, low, _ = key_words(request_keys(block, spec))
+            records = np.empty(block.num_rows, spill.dtype)
+            records["high"], records["low"] = high, low
+            records["row"] = block.column(columns.ORDINAL).to_numpy()
+            spill.add(records)
+
+
+def _spill_old(files: list[Location], spill: _Spill) -> np.ndarray:
+    """Each earlier input row (a run of its samples: one key, sample_index from 0): its key,
+    first row (across the files), samples, and whether all of them succeeded. Returns each
+    file's first row, and the rows in all, last."""
+    starts = [0]
+    for file in files:
+        with file.open() as handle:
+            reader = pq.ParquetFile(handle)
+            names = reader.schema_arrow.names
+            wanted = [columns.REQUEST_KEY, columns.ERROR,
+                      *([columns.SAMPLE_INDEX] if columns.SAMPLE_INDEX in names else [])]
+            table = reader.read(columns=wanted)
+        n = table.num_rows
+        if n:
+            high, low, valid = key_words(table.column(columns.REQUEST_KEY))
+            new_run = np.ones(n, bool)
+            new_run[1:] = (high[1:] != high[:-1]) | (low[1:] != low[:-1])
+            if columns.SAMPLE_INDEX in wanted:
+                new_run |= table.column(columns.SAMPLE_INDEX).to_numpy(
+                    zero_copy_only=False) == 0
+            firsts = np.flatnonzero(new_run)
+            failed = table.column(columns.ERROR).is_valid().to_numpy(zero_copy_only=False)
+            failed |= ~valid
+            records = np.empty(len(firsts), spill.dtype)
+            records["high"], records["low"] = high[firsts], low[firsts]
+            records["row"] = firsts + starts[-1]
+            records["count"] = np.diff(np.append(firsts, n))
+            records["ok"] = np.add.reduceat(failed.astype(np.int32), firsts) == 0
+            spill.add(records)
+        starts.append(starts[-1] + n)
+    return np.asarray(starts, np.int64)
+
+
+def _join(new: np.ndarray, old: np.ndarray, result: ReusePlan) -> None:
+    """One slice: each new row's earlier row with the same key (the first, if several)."""
+    if len(old) == 0:
+        return
+    order = np.lexsort((old["row"], old["low"], old["high"]))
+    old = old[order]
+    # earlier rows the new table asks for again: not dropped
+    if len(new):
+        new_sorted = new[np.lexsort((new["low"], new["high"]))]
+        asked = _find(new_sorted, old) >= 0
+    else:
+        asked = np.zeros(len(old), bool)
+    result.dropped += int((~asked).sum())
+    if len(new) == 0:
+        return
+    at = _find(old, new)
+    hit = at >= 0
+    first = old[at[hit]]
+    ok = first["ok"]
+    result.failed += int((~ok).sum())
+    rows = new["row"][hit][ok]
+    result.at[rows] = first["row"][ok]
+    result.count[rows] = first["count"][ok]
+
+
+def _find(table: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """For each of ``keys``, the index of the first row of ``table`` (sorted by high, low,
+    row) with the same key, or -1."""
+    found = np.full(len(keys), -1, np.int64)
+    if len(table) == 0:
+        return found
+    lo = np.searchsorted(table["high"], keys["high"], side="left")
+    inside = lo < len(table)
+    lo_in = np.minimum(lo, len(table) - 1)
+    same_high = inside & (table["high"][lo_in] == keys["high"])
+    same = same_high & (table["low"][lo_in] == keys["low"])
+    found[same] = lo_in[same]
+    # the same 64 high bits and other low ones: rare, looked up one by one
+    for i in np.flatnonzero(same_high & ~same):
+        end = np.searchsorted(table["high"], keys["high"][i], side="right")
+        match = np.flatnonzero(table["low"][lo[i]:end] == keys["low"][i])
+        if len(match):
+            found[i] = lo[i] + match[0]
+    return found
+
+
+def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
+    """Write the rows ``reuse`` found as parts in staging: each earlier output file read once
+    (the columns the job generates), its rows sorted into the new table's order through
+    local files a bucket of blocks apart, then beside the new table's own values. Returns
+    the tokens carried over, not generated again."""
+    from pipelines.read import read_unit, read_units
+    from pipelines.write import PartWriter
+    from pipelines.write.writers import _runs
+
+    writer = PartWriter(layout)
+    carried = [c for c in layout.added_columns if c not in (columns.ROW_ID, columns.REQUEST_KEY)]
+    buckets = _buckets([b for b in plan.input.blocks if b.ordinal not in done])
+    starts = np.asarray([bucket[0].ordinal for bucket in buckets], np.int64)
+    ends = np.asarray([bucket[-1].ordinal + bucket[-1].num_rows for bucket in buckets],
+                      np.int64)
+    saved = {"prompt_tokens": 0, "completion_tokens": 0, "rows": 0}
+    if not buckets:
+        return saved
+    with tempfile.TemporaryDirectory(prefix="overnight-reuse-") as spill:
+        held: dict[int, list[str]] = {}
+        for f, file in enumerate(reuse.files):
+            lo, hi = reuse.file_rows[f], reuse.file_rows[f + 1]
+            rows = np.flatnonzero((reuse.at >= lo) & (reuse.at < hi))
+            bucket = np.searchsorted(starts, rows, side="right") - 1
+            keep = (bucket >= 0) & (rows < ends[np.maximum(bucket, 0)])
+            rows, bucket = rows[keep], bucket[keep]
+            if not len(rows):
+                continue
+            with file.open() as handle:
+                table = pq.read_table(handle, columns=carried)
+            samples = reuse.count[rows]
+            first = np.repeat(np.cumsum(samples) - samples, samples)
+            take = np.repeat(reuse.at[rows] - lo, samples) + np.arange(samples.sum()) - first
+            piece = table.take(pa.array(take, pa.int64())).append_column(
+                columns.ORDINAL, pa.array(np.repeat(rows, samples), pa.int64()))
+            of = np.repeat(bucket, samples)
+            for b in np.unique(of):
+                name = os.path.join(spill, f"{b}-{f}.parquet")
+                pq.write_table(piece.filter(pa.array(of == b)), name)
+                held.setdefault(int(b), []).append(name)
+            del table, piece
+        for b, blocks in enumerate(buckets):
+            if b not in held:
+                continue
+            found = pa.concat_tables([pq.read_table(n) for n in held.pop(b)],
+                                     promote_options="permissive")
+            # (a stable sort: each row's samples stay in sample order)
+            found = found.take(pc.sort_indices(found, [(columns.ORDINAL, "ascending")]))
+            ordinals = found.column(columns.ORDINAL).to_numpy()
+            source = pa.concat_tables([t for unit in read_units(blocks)
+                                       for t in read_unit(unit, plan.input.schema)])
+            rows = source.take(pa.array(ordinals - blocks[0].ordinal, pa.int64()))
+            for name in carried:
+                rows = rows.append_column(name, found.column(name))
+            for run in _whole_blocks_joined(_runs(rows.column(columns.ORDINAL),
+                                                  layout.block_starts), ordinals, layout):
+                record = writer._write_run(rows.take(run), None)
+                saved["prompt_tokens"] += record["prompt_tokens"]
+                saved["completion_tokens"] += record["completion_tokens"]
+                saved["rows"] += record["input_rows"]
+            del found, source, rows
+    return saved
+
+
+def _whole_blocks_joined(runs: list, ordinals: np.ndarray, layout) -> list:
+    """Runs of rows (each inside one block) with consecutive whole blocks joined into one:
+    a part of many blocks starts and ends where blocks do, so the compaction still cuts files
+    at block starts (pipelines/compact.py), and an unchanged table is a few large parts."""
+    out, joinable, starts = [], False, set(layout.block_starts)
+    for run in runs:
+        first, last = int(ordinals[run[0].as_py()]), int(ordinals[run[-1].as_py()])
+        whole = first in starts and last + 1 == layout.block_end(first)
+        if whole and joinable and int(ordinals[out[-1][-1].as_py()]) + 1 == first:
+            out[-1] = pa.concat_arrays([out[-1], run])
+        else:
+            out.append(run)
+        joinable = whole
+    return out
+
+
+def _buckets(blocks: list) -> list[list]:
+    """Runs of consecutive blocks of about BUCKET_ROWS rows."""
+    out, rows = [], 0
+    for block in blocks:
+        if out and rows + block.num_rows <= BUCKET_ROWS and \
+                out[-1][-1].ordinal + out[-1][-1].num_rows == block.ordinal:
+            out[-1].append(block)
+            rows += block.num_rows
+        else:
+            out.append([block])
+            rows = block.num_rows
+    return out
