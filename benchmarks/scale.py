@@ -178,10 +178,10 @@ def run_reference(args, files: list[Path], config: dict, work: Path) -> dict:
 # --- the pipeline ---------------------------------------------------------------------------
 
 def run_job_measured(args, config: dict, work: Path, name: str, source_files: list[Path],
-                     source_format: str) -> dict:
+                     source_format: str, requests_log: Path | None = None) -> dict:
     """``overnight run`` with the stand-in, its memory sampled once a second; then the output
     checked (files, sizes, ids in input order) and the run report's timings read."""
-    env = standin_env(work)
+    env = standin_env(work, requests_log)
     result = run_pipeline(config, work, name, memory=True, env=env, every=1.0)
     result.pop("stdout", None)
     rows = _rows_of(source_files, source_format)

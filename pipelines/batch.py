@@ -692,9 +692,13 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     job_output = work / "output"
     summary = None
     if prepared.requests:
-        job = (embeddings_config if prepared.task == "embed" else batch_config)(
-            prepared, job_output, model, base, [])
         record = OutputStore(str(job_output)).read_record() or {}
+        # an edited request file (its results replaced with --overwrite): the lines whose
+        # requests are unchanged are carried over from the earlier file's (pipelines/reuse.py)
+        reuse = (not unchanged and prepared.task != "embed"
+                 and record.get("state") == "complete")
+        job = (embeddings_config if prepared.task == "embed" else batch_config)(
+            prepared, job_output, model, base, ["output.reuse=true"] if reuse else [])
         if overwrite or not unchanged:  # a new request file (or asked for): start over
             summary = run_job(job, overwrite=True, progress=progress)
         elif record.get("state") != "complete":  # the same file, interrupted: resume

@@ -298,7 +298,7 @@ def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
     ends = np.asarray([bucket[-1].ordinal + bucket[-1].num_rows for bucket in buckets],
                       np.int64)
     saved = {"prompt_tokens": 0, "completion_tokens": 0, "rows": 0}
-    if not buckets:
+    if not buckets or not reuse.reused:  # (nothing found: no lookup was made at all)
         return saved
     with tempfile.TemporaryDirectory(prefix="overnight-reuse-") as spill:
         held: dict[int, list[str]] = {}

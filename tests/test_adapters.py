@@ -133,7 +133,7 @@ def test_each_row_runs_on_its_adapter_as_bare_vllm_and_peft_run_it(
     _, _, out = lora_job
     assert out.columns == ["title", "description", "lang", "row_id", "rewritten",
                            "finish_reason", "prompt_tokens", "completion_tokens", "error_kind",
-                           "error"]
+                           "error", "request_key"]
     for i, reference in bare_vllm.items():
         assert out["rewritten"][i] == reference["text"], i
         assert out["completion_tokens"][i] == len(reference["ids"])

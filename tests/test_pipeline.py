@@ -65,7 +65,8 @@ def test_source_columns_unchanged(job):
 def test_generated_columns_added(job):
     config, _, out, _ = job
     assert out.columns[5:] == ["rewritten", "finish_reason", "prompt_tokens",
-                               "completion_tokens", "error_kind", "error"]
+                               "completion_tokens", "error_kind", "error", "request_key"]
+    assert out["request_key"].str.len_chars().unique().to_list() == [32]
     ok = out.filter(pl.col("error").is_null())
     assert ok.height == len(ROWS) - 2
     assert ok["rewritten"].null_count() == 0

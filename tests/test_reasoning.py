@@ -119,7 +119,7 @@ def test_the_answer_and_the_thinking_equal_vllms_run_batch_row_for_row(
     _, _, out = thinking_job
     assert out.columns == ["title", "description", "row_id", "rewritten", "reasoning",
                            "finish_reason", "prompt_tokens", "completion_tokens",
-                           "reasoning_tokens", "error_kind", "error"]
+                           "reasoning_tokens", "error_kind", "error", "request_key"]
     for i, row in enumerate(out.iter_rows(named=True)):
         theirs = vllms_run_batch[f"r{i}"]
         message = theirs["choices"][0]["message"]

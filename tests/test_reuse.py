@@ -1,0 +1,302 @@
+"""Reuse (output.reuse): a re-run over a changed table carries over the rows whose request is
+unchanged and generates the rest; its output equals a from-scratch run over the new table.
+
+The tables: 200 rows (3 with a null description: errors, generated again), then a new version
+with 1% of rows edited, 1% added, 1% removed, a column the prompt does not read changed on a
+few rows, and every row shuffled. The equivalence runs are real vLLM; the count of requests
+that reach the engine comes from the stand-in engine (benchmarks/standin), in a run of the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipelines import load_config, run_job
+from pipelines.validate import validate_job
+
+from conftest import REPO, job_config
+from test_resume import kill_after_parts, overnight, settled_parts
+
+ROWS = 200
+NULLS = (5, 77, 150)  # rows without a description: on_null error, in both tables
+EDITED, REMOVED, PRICED = (12, 140), (30, 99), (3, 60, 181)  # PRICED: a column not read
+ADDED = 2
+PRICES = {"input": 0.15, "output": 0.6}
+
+
+def first_table() -> list[dict]:
+    return [{"sku": f"S{i:04d}", "title": f"Item {i}",
+             "description": None if i in NULLS else f"Thing number {i}, {'blue ' * (i % 4)}",
+             "price": float(i)} for i in range(ROWS)]
+
+
+def second_table() -> list[dict]:
+    rows = [dict(r) for r in first_table()]
+    for i in EDITED:
+        rows[i]["title"] = f"Item {i}, now in green"
+    for i in PRICED:
+        rows[i]["price"] += 100
+    rows = [r for i, r in enumerate(rows) if i not in REMOVED]
+    rows += [{"sku": f"N{i}", "title": f"New item {i}", "description": "Just added.",
+              "price": 1.0} for i in range(ADDED)]
+    random.Random(7).shuffle(rows)
+    return rows
+
+
+@pytest.fixture(scope="session")
+def reuse_tables(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reuse")
+    pq.write_table(pa.Table.from_pylist(first_table()), root / "v1.parquet")
+    pq.write_table(pa.Table.from_pylist(second_table()), root / "v2.parquet")
+    return root
+
+
+def config(tiny_model, root: Path, table: str, out: str, **sections) -> dict:
+    return job_config(tiny_model, root / table, root / out, **{
+        "resources": {"batch_size": 8}, "report": {"price_per_mtok": PRICES}, **sections})
+
+
+@pytest.fixture(scope="session")
+def greedy_runs(tiny_model, reuse_tables, ray_cluster):
+    """The first table's run; the second table's run reusing it; the second from scratch."""
+    root = reuse_tables
+    run_job(load_config(config(tiny_model, root, "v1.parquet", "greedy")))
+    predicted = validate_job(load_config(config(tiny_model, root, "v2.parquet", "greedy",
+                                                output={"reuse": True}))).reuse
+    incremental = run_job(load_config(config(tiny_model, root, "v2.parquet", "greedy",
+                                             output={"reuse": True})))
+    scratch = run_job(load_config(config(tiny_model, root, "v2.parquet", "greedy-scratch")))
+    return predicted, incremental, scratch
+
+
+def expected_counts() -> dict:
+    found = ROWS - len(EDITED) - len(REMOVED)  # the earlier rows the new table asks for
+    return {"reused": found - len(NULLS), "failed": len(NULLS),
+            "generated": len(EDITED) + ADDED + len(NULLS),
+            "dropped": len(EDITED) + len(REMOVED)}
+
+
+def test_an_incremental_run_equals_a_from_scratch_run_over_the_new_table(greedy_runs,
+                                                                          reuse_tables):
+    _, incremental, scratch = greedy_runs
+    out = pl.read_parquet(reuse_tables / "greedy")
+    fresh = pl.read_parquet(reuse_tables / "greedy-scratch")
+    assert out["sku"].to_list() == [r["sku"] for r in second_table()]  # the new table's order
+    assert out.equals(fresh)
+    # the new table's values, where the prompt does not read them: the new price
+    assert out.filter(pl.col("sku") == "S0003")["price"].item() == 103.0
+    assert out.filter(pl.col("error_kind").is_not_null()).height == len(NULLS)
+    counts = expected_counts()
+    assert {k: incremental.reuse[k] for k in counts} == counts
+    assert incremental.rows_reused == counts["reused"]
+    assert incremental.rows_resumed == 0
+    assert scratch.reuse is None
+
+
+def test_validate_predicts_the_rows_a_run_reuses(greedy_runs):
+    predicted, incremental, _ = greedy_runs
+    c = expected_counts()
+    assert predicted == (f"reuse: {c['reused']} of {ROWS} rows reusable from "
+                         f"{incremental.output}; {c['generated']} to generate; "
+                         f"{c['failed']} of them failed before; {c['dropped']} earlier rows "
+                         "no longer asked for (removed or changed)")
+
+
+def test_the_report_counts_the_rows_and_tokens_reused(greedy_runs, reuse_tables):
+    _, incremental, _ = greedy_runs
+    reuse = incremental.report["reuse"]
+    first = pl.read_parquet(reuse_tables / "greedy")
+    carried = first.filter(pl.col("error").is_null()
+                           & ~pl.col("sku").is_in([f"S{i:04d}" for i in EDITED])
+                           & pl.col("sku").str.starts_with("S"))
+    assert reuse["reused"] == carried.height
+    assert reuse["prompt_tokens_saved"] == carried["prompt_tokens"].sum()
+    assert reuse["completion_tokens_saved"] == carried["completion_tokens"].sum()
+    assert reuse["cost_saved"] == round(reuse["prompt_tokens_saved"] / 1e6 * PRICES["input"]
+                                        + reuse["completion_tokens_saved"] / 1e6
+                                        * PRICES["output"], 6)
+    from pipelines.report import report_lines
+
+    line = next(x for x in report_lines(incremental.report) if x.startswith("reuse"))
+    assert f"{reuse['reused']:,} rows carried over" in line and "tokens not generated" in line
+
+
+def test_settings_that_change_every_request_reuse_nothing_and_others_everything(
+        greedy_runs, tiny_model, reuse_tables):
+    """validate says it before any engine starts: a template change reuses no row; batch
+    size, replicas and blocks in flight change how the job runs, not what it writes."""
+    root = reuse_tables
+    other = validate_job(load_config(config(
+        tiny_model, root, "v2.parquet", "greedy", output={"reuse": True},
+        prompt={"system": "Be brief.", "template": "Name: {{ title }}\n{{ description }}"})))
+    assert other.reuse.startswith(f"reuse: 0 of {ROWS} rows reusable")
+    assert other.reuse.endswith("(prompt.template changed)")
+    sampled = validate_job(load_config(config(
+        tiny_model, root, "v2.parquet", "greedy", output={"reuse": True},
+        sampling={"temperature": 0.0, "max_tokens": 12})))
+    assert sampled.reuse.endswith("(sampling.max_tokens changed)")
+    same = validate_job(load_config(config(
+        tiny_model, root, "v2.parquet", "greedy", output={"reuse": True},
+        resources={"batch_size": 5, "replicas": 1, "blocks_in_flight": 3})))
+    # (the output is the second table's by now: every row that did not fail)
+    assert same.reuse == (f"reuse: {ROWS - len(NULLS)} of {ROWS} rows reusable from "
+                          f"{root / 'greedy'}; {len(NULLS)} to generate; {len(NULLS)} of them "
+                          "failed before")
+
+
+def test_a_seeded_job_reuses_a_snapshot_elsewhere_with_its_samples_together(
+        tiny_model, reuse_tables, ray_cluster):
+    """Sampled (temperature 0.8, a seed per row from its id, two samples a row): the reused
+    rows' samples come over together, from a copy of the output somewhere else
+    (output.reuse_from), and the result equals a from-scratch run."""
+    root = reuse_tables
+    seeded = {"input": {"id_column": "sku"},
+              "sampling": {"temperature": 0.8, "seed": 5, "max_tokens": 12, "n": 2}}
+    run_job(load_config(config(tiny_model, root, "v1.parquet", "seeded", **seeded)))
+    shutil.copytree(root / "seeded", root / "snapshot")  # the folder alone, no record
+    incremental = run_job(load_config(config(
+        tiny_model, root, "v2.parquet", "seeded-next", **seeded,
+        output={"reuse_from": str(root / "snapshot")})))
+    scratch = run_job(load_config(config(tiny_model, root, "v2.parquet", "seeded-scratch",
+                                         **seeded)))
+    out = pl.read_parquet(root / "seeded-next")
+    assert out.equals(pl.read_parquet(root / "seeded-scratch"))
+    assert out.height == 2 * ROWS and out["sample_index"].to_list()[:4] == [0, 1, 0, 1]
+    assert incremental.reuse["reused"] == expected_counts()["reused"]
+    assert incremental.reuse["source"] == str(root / "snapshot")
+    assert scratch.reuse is None
+
+
+def test_only_the_new_and_changed_rows_reach_the_engine(tiny_model, reuse_tables, tmp_path):
+    """Counted by the stand-in engine (every request it answers, in a file), in runs of the
+    CLI: the changed table's run asks for its new, edited and failed rows alone; a run with
+    another template for all of them; a run of the same table with other resources, none."""
+    root = reuse_tables
+    requests = tmp_path / "requests.txt"
+    env = {**os.environ, "OVERNIGHT_BENCH_STANDIN": "1",
+           "OVERNIGHT_BENCH_REQUESTS": str(requests),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "standin"), str(REPO)])}
+
+    def run(table: str, *flags: str, **sections) -> int:
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(config(tiny_model, root, table, "counted", **sections)))
+        requests.unlink(missing_ok=True)
+        done = overnight("run", path, "--quiet", *flags, env=env)
+        assert done.returncode == 0, done.stderr
+        return sum(int(n) for n in requests.read_text().split()) if requests.exists() else 0
+
+    assert run("v1.parquet") == ROWS - len(NULLS)  # (a null row is refused before)
+    assert run("v2.parquet", "--reuse") == expected_counts()["generated"] - len(NULLS)
+    assert run("v2.parquet", "--reuse", resources={"batch_size": 16}) == 0
+    templated = {"prompt": {"template": "Name: {{ title }}\n{{ description }}"}}
+    assert run("v2.parquet", "--reuse", **templated) == ROWS - len(NULLS)
+
+
+def test_an_incremental_run_killed_half_way_resumes_to_the_uninterrupted_output(
+        tiny_model, reuse_tables, ray_cluster):
+    """The second half of the rows edited; the reuse run SIGKILLed (its whole process group)
+    once about half of the rows it generates are written, run again: the same output as a
+    run not stopped."""
+    root = reuse_tables
+    rows = first_table()
+    for r in rows[ROWS // 2:]:
+        r["title"] += " (edited)"
+    pq.write_table(pa.Table.from_pylist(rows), root / "half.parquet")
+    sampled = {"input": {"id_column": "sku"},
+               "sampling": {"temperature": 0.8, "seed": 2, "max_tokens": 12}}
+    run_job(load_config(config(tiny_model, root, "v1.parquet", "killed", **sampled)))
+    path = root / "killed.yaml"
+    path.write_text(yaml.safe_dump(config(tiny_model, root, "half.parquet", "killed",
+                                          output={"reuse": True}, **sampled)))
+    before = sorted(p.name for p in (root / "killed").glob("part-*"))
+    # the first half's rows (less its two nulls) are staged as 7 parts, then generated blocks
+    code, _ = kill_after_parts(path, root / "killed.partial", 7 + 7, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    written = settled_parts(root / "killed.partial")
+    assert len(written) >= 7 + 7  # (and not committed: the record says running, below)
+    assert sorted(p.name for p in (root / "killed").glob("part-*")) == before  # untouched
+    record = json.loads((root / "killed.overnight.json").read_text())
+    assert record["state"] == "running" and record["reuse"]["reused"] == ROWS // 2 - 2
+    resumed = overnight("run", path, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"reused: {ROWS // 2 - 2} rows carried over" in resumed.stdout
+    run_job(load_config(config(tiny_model, root, "half.parquet", "unbroken", **sampled)))
+    assert pl.read_parquet(root / "killed").equals(pl.read_parquet(root / "unbroken"))
+
+
+def test_reuse_tells_in_one_line_what_it_cannot_use(tiny_model, reuse_tables, tmp_path):
+    root = reuse_tables
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config(tiny_model, root, "v2.parquet", "nowhere")))
+    missing = overnight("validate", path, "--reuse-from", tmp_path / "no-such-output")
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines()[-1].endswith(
+        f"output.reuse_from {str(tmp_path / 'no-such-output')!r}: no such output")
+    assert "Traceback" not in missing.stderr
+    # an output written before request keys: nothing to match, said
+    old = tmp_path / "old"
+    old.mkdir()
+    pq.write_table(pa.table({"sku": ["S0001"], "generated": ["x"], "error": [None]},
+                            ), old / "part-000000000000-000000000001.parquet")
+    before = overnight("validate", path, "--reuse-from", old)
+    assert before.returncode == 0, before.stderr
+    assert (f"reuse: 0 of {ROWS} rows reusable from {old}; {ROWS} to generate (the earlier "
+            "output has no request_key column") in before.stdout
+    steps = tmp_path / "steps.yaml"
+    raw = config(tiny_model, root, "v2.parquet", "nowhere")
+    raw["steps"] = [{"name": "a", "prompt": raw.pop("prompt"), "sampling": raw.pop("sampling")}]
+    raw["output"] = {"path": raw["output"]["path"], "reuse": True}
+    steps.write_text(yaml.safe_dump(raw))
+    refused = overnight("validate", steps)
+    assert refused.returncode == 2
+    assert "output.reuse does not apply to a job with steps yet" in refused.stderr
+
+
+def test_a_batch_file_run_again_after_an_edit_generates_only_its_new_and_changed_lines(
+        tiny_model, tmp_path):
+    """``overnight batch`` on an edited request file: the unchanged lines' results are carried
+    over (the stand-in engine counts the requests), and equal a run from scratch."""
+    def line(i: int, text: str) -> str:
+        return json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": "m", "max_tokens": 4, "temperature": 0,
+                                    "messages": [{"role": "user", "content": text}]}})
+
+    lines = [line(i, f"Say {i}") for i in range(40)]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    counted = tmp_path / "requests.txt"
+    env = {**os.environ, "OVERNIGHT_BENCH_STANDIN": "1", "OVERNIGHT_BENCH_REQUESTS": str(counted),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "standin"), str(REPO)])}
+
+    def batch(out: str, *flags: str) -> int:
+        counted.unlink(missing_ok=True)
+        done = overnight("batch", requests, "-o", tmp_path / out, "--model", tiny_model,
+                         "--set", "engine.kv_cache_memory_bytes=134217728", *flags, env=env)
+        assert done.returncode == 0, done.stderr
+        return sum(int(n) for n in counted.read_text().split()) if counted.exists() else 0
+
+    assert batch("results.jsonl") == 40
+    lines[3] = line(3, "Say three")
+    lines.append(line(40, "Say forty"))
+    requests.write_text("\n".join(reversed(lines)) + "\n")
+    assert batch("results.jsonl", "--overwrite") == 2  # (the result files are replaced)
+    assert batch("scratch.jsonl") == 41
+
+    def bodies(name: str) -> dict:
+        return {r["custom_id"]: r["response"]["body"]["choices"]
+                for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
+
+    assert bodies("results.jsonl") == bodies("scratch.jsonl")
