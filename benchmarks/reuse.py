@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.products import make_products  # noqa: E402
-from benchmarks.scale import _requests, job, run_job_measured, standin_env  # noqa: E402
+from benchmarks.scale import _requests, job, run_job_measured  # noqa: E402
 from benchmarks.throughput import REPO  # noqa: E402
 
 

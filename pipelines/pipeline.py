@@ -232,7 +232,9 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     if not retry_errors and (record := store.interrupted_commit(plan.fingerprint)):
         return _finish_commit(store, record)
     progress = progress or Progress(total=0, enabled=False)
+    reuse_started = time.time()
     reusing = _plan_reuse(plan, store, progress) if not retry_errors else None
+    reuse_s = time.time() - reuse_started
     try:
         if retry_errors:
             only_rows, done = store.open_retry(plan.fingerprint, key_column, block_starts,
@@ -266,8 +268,10 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     )
     reused = None
     if reusing is not None:  # the rows found, staged as parts before any engine starts
+        staging_started = time.time()
         with stage("staging the reused rows"):
             reused = _stage_reuse(plan, store, reusing, layout, done)
+        reuse_s += time.time() - staging_started
         done = store.resume(block_starts, plan.input.num_rows)
         only_rows = store.remaining or None
         todo = _rows_to_run(plan, done, only_rows)
@@ -340,6 +344,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         summary.report = build_report(store.path, record, times=times, samples=samples,
                                       stats=stats, timings={
             "started": started, "planned": planned, "ray_ready": ray_ready,
+            **({"reuse_s": reuse_s} if reused is not None else {}),
             "finished": time.time()})
         summary.report_path = str(write_report(store.path, summary.report))
     return summary

@@ -340,7 +340,10 @@ def _times(timings: dict, times: RunTimes) -> dict:
         "time": {"total_s": round(finished - started, 2),
                  "startup_s": round(ready - started, 2),
                  "preflight_s": round(timings["planned"] - started, 2),
-                 "ray_start_s": round(timings["ray_ready"] - timings["planned"], 2),
+                 # output.reuse: finding the rows to carry over and staging them
+                 **({"reuse_s": round(timings["reuse_s"], 2)} if "reuse_s" in timings else {}),
+                 "ray_start_s": round(timings["ray_ready"] - timings["planned"]
+                                      - timings.get("reuse_s", 0), 2),
                  "engine_start_s": round(ready - timings["ray_ready"], 2),
                  "generation_s": round(generation, 2),
                  "finish_s": round(finished - last, 2)},
@@ -421,14 +424,18 @@ def report_lines(report: dict) -> list[str]:
     t = report.get("time")
     if t:
         lines.append(f"time         {t['total_s']:.1f} s = start-up {t['startup_s']:.1f} s "
-                     f"(pre-flight {t['preflight_s']:.1f}, Ray {t['ray_start_s']:.1f}, "
+                     f"(pre-flight {t['preflight_s']:.1f}, "
+                     + (f"reuse {t['reuse_s']:.1f}, " if "reuse_s" in t else "")
+                     + f"Ray {t['ray_start_s']:.1f}, "
                      f"engines {t['engine_start_s']:.1f}) + generation "
                      f"{t['generation_s']:.1f} s + finish {t['finish_s']:.1f} s")
         if t.get("engine_idle_s") is not None:
             lines.append(f"engines idle {t['engine_idle_s']:.1f} s of the generation, waiting "
                          "for blocks (summed over replicas)")
         th = report["throughput"]
-        lines.append(f"throughput   {th['output_tokens_per_s']:,.0f} output tok/s over the "
+        lines.append("throughput   - (no row generated: every row was reused)"
+                     if report.get("reuse") and not report["reuse"]["generated"] else
+                     f"throughput   {th['output_tokens_per_s']:,.0f} output tok/s over the "
                      "generation" if th["output_tokens"] or "rows_per_s" not in th else
                      f"throughput   {th['rows_per_s']:,.1f} rows/s, "
                      f"{th['prompt_tokens_per_s']:,.0f} prompt tok/s (no output tokens: a "

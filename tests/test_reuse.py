@@ -14,8 +14,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
