@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.products import make_products  # noqa: E402
-from benchmarks.scale import _requests, job, run_job_measured  # noqa: E402
+from benchmarks.scale import _requests, job, run_job_measured, scratch_with_model  # noqa: E402
 from benchmarks.throughput import REPO  # noqa: E402
 
 
@@ -53,13 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     args.rows = sorted(args.rows)
 
-    from pipelines.tiny_model import build_tiny_model
-
-    work = Path(args.scratch)
-    work.mkdir(parents=True, exist_ok=True)
-    tiny = work / "tiny-model"
-    if not (tiny / "config.json").exists():
-        build_tiny_model(tiny)
+    work, tiny = scratch_with_model(args.scratch)
     results = {}
     for rows in args.rows:
         print(f"table of {rows} rows ...", file=sys.stderr)

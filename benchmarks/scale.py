@@ -308,6 +308,18 @@ def _requests(log: Path) -> int:
 
 # --- main -----------------------------------------------------------------------------------
 
+def scratch_with_model(scratch: str) -> tuple[Path, Path]:
+    """The scratch folder, and the tiny model built in it once."""
+    from pipelines.tiny_model import build_tiny_model
+
+    work = Path(scratch)
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = work / "tiny-model"
+    if not (tiny / "config.json").exists():
+        build_tiny_model(tiny)
+    return work, tiny
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
@@ -329,13 +341,7 @@ def main() -> None:
     arms = args.only or ARMS
     args.rows = sorted(args.rows)
 
-    from pipelines.tiny_model import build_tiny_model
-
-    work = Path(args.scratch)
-    work.mkdir(parents=True, exist_ok=True)
-    tiny = work / "tiny-model"
-    if not (tiny / "config.json").exists():
-        build_tiny_model(tiny)
+    work, tiny = scratch_with_model(args.scratch)
     args.reference_rows = args.reference_rows or args.rows[-1]
     sizes = sorted({*args.rows, *([args.resume_rows] if "resume" in arms else []),
                     *([args.reference_rows] if "reference" in arms else [])})

@@ -66,17 +66,18 @@ def key_columns(config, variables: list[str]) -> list[str]:
 def request_keys(table: pa.Table, spec: KeySpec) -> pa.Array:
     """Each row's request key, vectorized: two 64-bit row hashes (polars), seeded by the job's
     settings, as 32 hex digits."""
+    return _hex(*request_words(table, spec))
+
+
+def request_words(table: pa.Table, spec: KeySpec) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's request key as its two 64-bit words (high, low): what a lookup joins on."""
     import polars as pl
 
-    rows = table.num_rows
-    if spec.columns:
-        frame = pl.from_arrow(table.select(list(spec.columns)), rechunk=False)
-        high = frame.hash_rows(spec.seeds[0]).to_numpy()
-        low = frame.hash_rows(spec.seeds[1]).to_numpy()
-    else:  # a prompt that reads nothing of its row: every row the same request
-        high, low = np.full(rows, spec.seeds[0], np.uint64), np.full(rows, spec.seeds[1],
-                                                                     np.uint64)
-    return _hex(high, low)
+    if not spec.columns:  # a prompt that reads nothing of its row: every row the same request
+        rows = table.num_rows
+        return (np.full(rows, spec.seeds[0], np.uint64), np.full(rows, spec.seeds[1], np.uint64))
+    frame = pl.from_arrow(table.select(list(spec.columns)), rechunk=False)
+    return (frame.hash_rows(spec.seeds[0]).to_numpy(), frame.hash_rows(spec.seeds[1]).to_numpy())
 
 
 _HEX = np.frombuffer(b"".join(b"%02x" % i for i in range(256)), np.uint8).reshape(256, 2)

@@ -27,9 +27,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
-from pipelines.request_key import KeySpec, key_words, request_keys
+from pipelines.request_key import KeySpec, key_words, request_words
 from pipelines.storage import Location
 from pipelines.write.parts import list_parts
+from pipelines.write.store import OutputStore
 from udfs import columns
 
 SLICE_ROWS = 500_000  # keys joined at once, about (each side)
@@ -80,10 +81,7 @@ def reuse_source(config) -> Location | None:
     if not config.output.reuse:
         return None
     out = Location.of(config.output.path)
-    try:
-        record = json.loads(out.sibling(".overnight.json").read_text())
-    except (FileNotFoundError, ValueError):
-        record = {}
+    record = OutputStore(out).read_record() or {}
     # an unfinished run's own staging is resumed, the output it replaces is still whole
     if out.exists() and record.get("state") in ("complete", "running", "committing"):
         return out
@@ -196,7 +194,7 @@ def _spill_new(plan, spec: KeySpec, spill: _Spill) -> None:
 
     for unit in read_units(plan.input.blocks):
         for block in read_unit(unit, plan.input.schema):
-            high, low, _ = key_words(request_keys(block, spec))
+            high, low = request_words(block, spec)
             records = np.empty(block.num_rows, spill.dtype)
             records["high"], records["low"] = high, low
             records["row"] = block.column(columns.ORDINAL).to_numpy()
