@@ -8,7 +8,7 @@ For each --rows: the product table of benchmarks/scale.py (benchmarks/products.p
 ``overnight run`` with the stand-in engine (benchmarks/standin: it answers at once, so only the
 pipeline is measured, and counts the requests it gets), then the same command with --reuse over
 the same table: every row's request is found in the first output and carried over. Reported for
-both: rows/s over the whole command, the driver's peak RSS (``ru_maxrss``), the process tree's
+both: rows/s over the whole command, the driver's peak RSS (``VmHWM`` at exit), the process tree's
 peak RSS and PSS, and the requests that reached the engine; the re-run's output is checked to
 hold the input's ids in input order.
 

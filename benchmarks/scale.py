@@ -19,8 +19,10 @@ model's tokenizer and asks for --max-tokens tokens a row. Arms (each in a fresh 
              written, run again: its output must equal an uninterrupted run's, and the rows
              already written must not reach the engine again (the stand-in counts requests).
 Reported: pre-flight seconds (the run report's ``time.preflight_s``: ``plan_job``), the driver's
-peak RSS (``ru_maxrss`` at exit), the process tree's peak PSS and RSS (sampled once a second:
-reading smaps costs CPU that 2 cores do not have to spare), rows/s over the whole command, the
+peak RSS (``VmHWM`` at exit; figures before 2026-12-05 were ``ru_maxrss``, which Linux carries
+over the exec from this script's own size, so they are upper bounds), the process tree's peak
+PSS and RSS (sampled once a second: reading smaps costs CPU that 2 cores do not have to spare),
+rows/s over the whole command, the
 output's file count and sizes, and whether the output read back (the id column only) holds the
 input's ids in input order.
 """

@@ -6,7 +6,7 @@ class that is built at once, imports no vllm, and answers every request instantl
 
 OVERNIGHT_BENCH_REQUESTS=FILE: each ``generate`` call appends its request count to FILE (one
 ``write`` a block), so a resumed run shows which rows reached the engine again.
-OVERNIGHT_BENCH_MAXRSS=DIR: each process writes its peak RSS (``ru_maxrss``) to DIR/PID at exit
+OVERNIGHT_BENCH_MAXRSS=DIR: each process writes its peak RSS (``VmHWM``) to DIR/PID at exit
 (processes Ray kills write nothing; the driver always does).
 """
 
@@ -58,9 +58,10 @@ if os.environ.get("OVERNIGHT_BENCH_MAXRSS"):
     import atexit
 
     def _peak_rss() -> None:
-        import resource
-
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec, so a process started by a
+        # large parent (the benchmark holding a 10M-row table) would report the parent's size
+        with open("/proc/self/status") as status:
+            kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
         folder = os.environ["OVERNIGHT_BENCH_MAXRSS"]
         with open(os.path.join(folder, str(os.getpid())), "w") as handle:
             handle.write(str(kib * 1024))
