@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from starlette.requests import Request  # (at the top: FastAPI reads the routes' annotations)
+
 from pipelines.errors import ConfigError, OutputError
 from pipelines.storage import Location
 from pipelines.write import OutputStore, list_parts, summarize_part
@@ -47,7 +49,8 @@ class JobView:
         live = record.get("state") in ("running", "retrying", "committing") \
             and self.store.staging.exists()
         folder = self.store.staging if live else self.store.path
-        files = [Path(str(folder / p.name)) for p in list_parts(folder)[0]]
+        files = [Path(str(folder / p.name)) for p in list_parts(folder)[0]] \
+            if folder.exists() else []  # (a batch's output its owner deleted)
         return record, Path(str(folder)), files
 
     def key_column(self, record: dict) -> str:
@@ -81,7 +84,7 @@ class JobView:
             if record.get("state") == "complete" else None
 
         return {
-            "output": str(self.store.path), "state": record.get("state"),
+            "output": str(self.store.path), "state": record.get("state") or "not started",
             "model": (config.get("model") or {}).get("name"),
             "rows_done": rows, "rows_total": record.get("rows_total") or rows,
             "errors": dict(sorted(errors.items())), "skipped": skipped,
@@ -173,11 +176,13 @@ class JobView:
             config = record.get("config") or {}
             prompt = config.get("prompt") or next(
                 (s["prompt"] for s in config.get("steps") or () if s.get("prompt")), None)
-            if not prompt or prompt.get("template") is None:
+            if not prompt or (prompt.get("template") is None
+                              and prompt.get("messages_column") is None):
                 return None
             model = config.get("model") or {}
             self._renderer = PromptRenderer(RenderSpec(
-                template=prompt["template"], tokenizer=model["name"], max_model_len=1 << 30,
+                template=prompt.get("template"), max_model_len=1 << 30,
+                messages_column=prompt.get("messages_column"), tokenizer=model["name"],
                 max_tokens=0, system=prompt.get("system"),
                 chat=prompt.get("chat") if prompt.get("chat") is not None else True,
                 trust_remote_code=model.get("trust_remote_code", False),
@@ -185,54 +190,82 @@ class JobView:
         return self._renderer
 
 
+# The page's files; they hold no data (the page fetches it), so `overnight serve` gives them
+# without a key and its API behind one
+STATIC_FILES = {"view.html": "text/html", "batches.html": "text/html",
+                "view.js": "text/javascript", "batches.js": "text/javascript",
+                "view.css": "text/css"}
+
+
+def static_file(name: str):
+    """One of the page's files, or a 404."""
+    from fastapi import HTTPException
+    from fastapi.responses import FileResponse
+
+    if name not in STATIC_FILES:
+        raise HTTPException(404)
+    return FileResponse(STATIC / name, media_type=STATIC_FILES[name])
+
+
+def secure_headers(response):
+    """Every answer of the page's servers: no script but the page's own, no sniffing."""
+    response.headers["Content-Security-Policy"] = CSP
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    return response
+
+
+def job_routes(app, prefix: str, view_of, shown=lambda status, request: status) -> None:
+    """The page's data at ``prefix``/status, /rows and /prompt. ``view_of(request, **path)``:
+    the JobView the request may see (raising what the app answers otherwise); ``shown``: the
+    status as this server shows it (serve names no path of its own)."""
+    from fastapi.responses import JSONResponse
+
+    def answer(call):
+        try:
+            return call()
+        except ConfigError as exc:  # a user's filter, said in a line
+            return JSONResponse({"error": str(exc)}, 400)
+
+    @app.get(f"{prefix}/status")
+    def status(request: Request):
+        view = view_of(request, **request.path_params)
+        return shown(view.status(), request)
+
+    @app.get(f"{prefix}/rows")
+    def rows(request: Request, offset: int = 0, limit: int = PAGE_ROWS,
+             error_kind: str | None = None, finish_reason: str | None = None,
+             text: str | None = None, where: str | None = None):
+        view = view_of(request, **request.path_params)
+        return answer(lambda: view.rows(offset, limit, error_kind, finish_reason, text, where))
+
+    @app.get(f"{prefix}/prompt")
+    def prompt(request: Request, offset: int = 0, error_kind: str | None = None,
+               finish_reason: str | None = None, text: str | None = None,
+               where: str | None = None):
+        view = view_of(request, **request.path_params)
+        return answer(lambda: view.prompt(offset, error_kind=error_kind,
+                                          finish_reason=finish_reason, text=text, where=where))
+
+
 def create_app(path: str):
-    from fastapi import FastAPI, HTTPException
-    from fastapi.responses import FileResponse, JSONResponse
+    from fastapi import FastAPI
 
     view = JobView(path)
     app = FastAPI(title="overnight view", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
     async def _headers(request, call_next):
-        response = await call_next(request)
-        response.headers["Content-Security-Policy"] = CSP
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        return response
+        return secure_headers(await call_next(request))
 
     @app.get("/")
     def page():
-        return FileResponse(STATIC / "view.html", media_type="text/html")
+        return static_file("view.html")
 
     @app.get("/static/{name}")
     def static(name: str):
-        if name not in ("view.js", "view.css"):
-            raise HTTPException(404)
-        kind = "text/javascript" if name.endswith(".js") else "text/css"
-        return FileResponse(STATIC / name, media_type=kind)
+        return static_file(name)
 
-    @app.get("/api/status")
-    def status():
-        return view.status()
-
-    @app.get("/api/rows")
-    def rows(offset: int = 0, limit: int = PAGE_ROWS, error_kind: str | None = None,
-             finish_reason: str | None = None, text: str | None = None,
-             where: str | None = None):
-        try:
-            return view.rows(offset, limit, error_kind, finish_reason, text, where)
-        except ConfigError as exc:
-            return JSONResponse({"error": str(exc)}, 400)
-
-    @app.get("/api/prompt")
-    def prompt(offset: int = 0, error_kind: str | None = None,
-               finish_reason: str | None = None, text: str | None = None,
-               where: str | None = None):
-        try:
-            return view.prompt(offset, error_kind=error_kind, finish_reason=finish_reason,
-                               text=text, where=where)
-        except ConfigError as exc:
-            return JSONResponse({"error": str(exc)}, 400)
-
+    job_routes(app, "/api", lambda request: view)
     return app
 
 

@@ -1,5 +1,7 @@
 """The HTTP API: ``/v1/files`` and ``/v1/batches`` with the OpenAI API's shapes, status codes and
-error objects (``{"error": {"message", "type", "param", "code"}}``), behind bearer keys.
+error objects (``{"error": {"message", "type", "param", "code"}}``), behind bearer keys; and the
+pages (``/ui``): a key's batches, and each batch's job as ``overnight view`` shows it
+(pipelines/view.py), its data behind the same keys at ``/v1/batches/{id}/view/...``.
 
 A key's objects are invisible to every other key: a lookup by another key is a 404, the same
 answer as for an id that never existed.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +20,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from serve.runner import INPUT, Runner
+from pipelines import view
+from serve.runner import INPUT, RESULTS, Runner
 from serve.store import Store, new_id
 
 # what ``overnight batch`` runs (embeddings as a task: embed job, pipelines/batch_embeddings.py)
@@ -62,6 +66,9 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
 
     @app.middleware("http")
     async def _authenticate(request: Request, call_next):
+        if request.method == "GET" and _is_page(request.url.path):
+            # the pages' own files hold no data: the page asks for a key and sends it
+            return view.secure_headers(await call_next(request))
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -165,6 +172,44 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
     def get_batch(request: Request, batch_id: str):
         return _batch(store, request, batch_id)
 
+    # -- pages: the key's batches, and each batch's job as `overnight view` shows it ------
+
+    @app.get("/ui")
+    def batches_page():
+        return view.static_file("batches.html")
+
+    @app.get("/ui/batches/{batch_id}")
+    def batch_page(batch_id: str):
+        return view.static_file("view.html")
+
+    @app.get("/static/{name}")
+    def static(name: str):
+        return view.static_file(name)
+
+    views: dict[str, view.JobView] = {}
+
+    def batch_view(request: Request, batch_id: str) -> view.JobView:
+        batch = _batch(store, request, batch_id)  # another key's batch: 404, as everywhere
+        work = store.batch_dir(batch_id) / f"{RESULTS}.overnight" / "output"
+        if batch_id not in views:
+            if not Path(f"{work}.overnight.json").exists():  # its job has not started
+                raise APIError(404, f"Batch '{batch_id}' has no rows yet (status "
+                               f"{batch['status']}).", param="batch_id", code="no_rows")
+            views[batch_id] = view.JobView(str(work))
+        return views[batch_id]
+
+    def shown(status: dict, request: Request) -> dict:
+        """The status as a key's user sees it: the batch, never the server's paths."""
+        batch = _batch(store, request, request.path_params["batch_id"])
+        work = str(store.batch_dir(batch["id"]) / f"{RESULTS}.overnight" / "output")
+        status.update(output=batch["id"], model=batch["model"], batch=batch)
+        if status.get("report"):
+            status["report"] = [line.replace(work, batch["id"]).replace(
+                runner.model, batch["model"]) for line in status["report"]]
+        return status
+
+    view.job_routes(app, "/v1/batches/{batch_id}/view", batch_view, shown)
+
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(request: Request, batch_id: str):
         batch = _batch(store, request, batch_id)
@@ -180,6 +225,10 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
         return moved
 
     return app
+
+
+def _is_page(path: str) -> bool:
+    return path == "/ui" or path.startswith("/ui/batches/") or path.startswith("/static/")
 
 
 def _new_batch(store: Store, owner: str, params: dict, model: str) -> dict:

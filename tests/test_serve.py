@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import KV_CACHE, REPO
+from conftest import KV_CACHE, REPO, table_rows, wait_until
 
 KEY, OTHER_KEY = "sk-overnight-test-first", "sk-overnight-test-second"
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -377,6 +377,83 @@ def test_metrics_count_batches_by_status_and_their_requests(server, tmp_path):
     assert ("overnight_batch_queue_depth", ()) in numbers
     # behind the same keys as the API
     assert httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10).status_code == 401
+
+
+XSS = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
+
+
+def test_the_pages_show_a_keys_own_batches_and_each_ones_rows(server, browser, tmp_path):
+    """/ui: the batches of the key given on the page, none of another key's; a batch's page:
+    its job as `overnight view` shows it, its data behind the key. A value holding markup
+    (a request's text, a batch's metadata) shows as its characters and never runs."""
+    from selenium.webdriver.common.by import By
+
+    client, other = server.client(), server.client(OTHER_KEY)
+    lines = [request("ui-0", "Say hello.", 4), request("ui-1", XSS, 4),
+             request("ui-2", "Count to three.", 4)]
+    path = tmp_path / "ui.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    mine = client.batches.create(
+        input_file_id=client.files.create(file=path, purpose="batch").id,
+        endpoint="/v1/chat/completions", completion_window="24h", metadata={"note": XSS})
+    theirs = other.batches.create(
+        input_file_id=other.files.create(file=("t.jsonl", b"\n"), purpose="batch").id,
+        endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait(client, mine.id)[-1]
+    assert done.status == "completed", (done.errors, server.log())
+    base = f"http://127.0.0.1:{server.port}"
+    own, foreign = ({"Authorization": f"Bearer {key}"} for key in (KEY, OTHER_KEY))
+
+    # the pages hold no data and need no key; the data they show needs the batch's own key
+    page = httpx.get(f"{base}/ui", timeout=10)
+    assert page.status_code == 200 and mine.id not in page.text
+    assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    assert "http://" not in page.text and "https://" not in page.text
+    status_url = f"{base}/v1/batches/{mine.id}/view/status"
+    assert httpx.get(status_url, timeout=10).status_code == 401
+    assert httpx.get(status_url, headers=foreign, timeout=10).status_code == 404
+    status = httpx.get(status_url, headers=own, timeout=10).json()
+    assert (status["state"], status["rows_done"], status["rows_total"]) == ("complete", 3, 3)
+    assert status["batch"]["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert status["output"] == mine.id and str(server.root) not in json.dumps(status)
+    rows = httpx.get(f"{base}/v1/batches/{mine.id}/view/rows", headers=own, timeout=10).json()
+    assert [r[rows["columns"].index("custom_id")] for r in rows["rows"]] == \
+        ["ui-0", "ui-1", "ui-2"]
+    texts = {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"]
+             for line in lines_of(client, done.output_file_id)}
+    assert [r[rows["columns"].index("text")] for r in rows["rows"]] == \
+        [texts[f"ui-{i}"] for i in range(3)]
+    # a batch whose job never started (its file holds no request) says so in one line
+    none = httpx.get(f"{base}/v1/batches/{theirs.id}/view/status", headers=foreign, timeout=10)
+    assert none.status_code == 404 and "has no rows yet" in none.json()["error"]["message"]
+
+    # in a browser: the key's batches, as the API lists them to it, and none of the other's
+    browser.get(f"{base}/ui")
+    browser.find_element(By.ID, "key").send_keys(KEY)
+    browser.find_element(By.CSS_SELECTOR, "#key-form button[type=submit]").click()
+    listed = [b.id for b in client.batches.list(limit=100).data]
+    cells = wait_until(lambda: [
+        [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+        for tr in browser.find_elements(By.CSS_SELECTOR, "#batches tbody tr")] or None)
+    assert [c[0] for c in cells] == listed and theirs.id not in listed
+    row = next(c for c in cells if c[0] == mine.id)
+    assert row[1:7] == ["completed", "/v1/chat/completions", row[3], "3", "3", "0"]
+    assert json.loads(row[7]) == {"note": XSS}  # the metadata as its characters
+    assert browser.execute_script("return window.__xss") is None
+    browser.save_screenshot(str(tmp_path / "serve-batches.png"))
+    browser.find_element(By.LINK_TEXT, mine.id).click()
+    # the batch's page: its rows, its counts, a row's prompt through the chat template
+    wait_until(lambda: browser.find_element(By.ID, "rows").text == "3 / 3")
+    shown = wait_until(lambda: len(table_rows(browser)) == 3 and table_rows(browser))
+    heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#table thead th")]
+    assert [r[heads.index("custom_id")] for r in shown] == ["ui-0", "ui-1", "ui-2"]
+    assert "<script>window.__xss = 1</script>" in shown[1][heads.index("prompt")]  # (JSON)
+    assert browser.execute_script("return window.__xss") is None
+    assert browser.find_element(By.ID, "output").text == mine.id
+    browser.find_elements(By.CSS_SELECTOR, "#table tbody tr")[0].click()
+    assert "Say hello." in wait_until(lambda: browser.find_element(By.ID, "prompt").text)
+    browser.save_screenshot(str(tmp_path / "serve-batch.png"))
+    assert not browser.find_element(By.ID, "back").get_attribute("hidden")
 
 
 def _content(line: dict):

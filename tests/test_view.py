@@ -5,8 +5,6 @@ filters and a row's prompt work, and a row holding markup shows it as text, neve
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +16,8 @@ import pytest
 from pipelines import load_config, run_job
 
 from conftest import REPO, job_config
+from conftest import table_rows as _rows
+from conftest import wait_until as _wait
 
 XSS = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
 ROWS = [{"title": XSS if i == 2 else f"Lamp {i}",
@@ -52,47 +52,6 @@ def page(tiny_model, ray_cluster, tmp_path_factory):
     yield url, root
     proc.terminate()
     proc.wait(30)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (binary and driver):
-        # CI installs them and sets OVERNIGHT_REQUIRE_BROWSER: there these tests always run
-        message = ("the browser tests need chromium and chromedriver on PATH (Debian: apt-get "
-                   "install chromium chromium-driver; make test tries)")
-        if os.environ.get("OVERNIGHT_REQUIRE_BROWSER"):
-            pytest.fail(message)
-        pytest.skip(reason=message)
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--window-size=1400,1000"):
-        options.add_argument(flag)
-    chrome = webdriver.Chrome(service=Service(driver), options=options)
-    yield chrome
-    chrome.quit()
-
-
-def _wait(condition, timeout: float = 20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("the page did not get there in time")
-
-
-def _rows(browser):
-    """The table's cells as the page holds them, read at once (the page redraws it)."""
-    return browser.execute_script(
-        "return [...document.querySelectorAll('#table tbody tr')]"
-        ".map(tr => [...tr.cells].map(td => td.textContent))")
 
 
 def test_the_rows_of_a_finished_job_appear_and_markup_in_a_row_is_text(page, browser):

@@ -3,6 +3,23 @@
 let offset = 0;
 const LIMIT = 50;
 let lastTokens = null;
+// `overnight view OUT`: the job's data at /api. Under `overnight serve`, /ui/batches/ID is a
+// batch's job, its data behind the key the batches page (/ui) keeps in this tab.
+const BATCH = (location.pathname.match(/^\/ui\/batches\/([^/]+)$/) || [])[1];
+const API = BATCH ? `/v1/batches/${BATCH}/view` : "/api";
+
+async function get(path) {
+  const headers = {};
+  const key = sessionStorage.getItem("overnight-key");
+  if (BATCH && key) headers.Authorization = `Bearer ${key}`;
+  const response = await fetch(API + path, {headers});
+  if (BATCH && response.status === 401) location.href = "/ui";  // no key, or a wrong one
+  return response;
+}
+
+function problem(body) {  // the view's {"error": "..."} or the API's {"error": {"message"}}
+  return typeof body.error === "string" ? body.error : (body.error || {}).message || "failed";
+}
 
 function text(id, value) { document.getElementById(id).textContent = value; }
 
@@ -14,9 +31,15 @@ function filters() {
 }
 
 async function status() {
-  const s = await (await fetch("/api/status")).json();
+  const response = await get("/status");
+  const s = await response.json();
+  if (!response.ok) {  // a batch that has not started, or is not this key's
+    text("state", problem(s));
+    return {state: "waiting"};
+  }
   text("output", s.output);
-  text("state", `${s.state || "?"} · model ${s.model || "?"} · ${s.parts} parts`);
+  const batch = s.batch ? `batch ${s.batch.status} · ` : "";
+  text("state", `${batch}${s.state || "?"} · model ${s.model || "?"} · ${s.parts} parts`);
   text("rows", `${s.rows_done.toLocaleString()} / ${s.rows_total.toLocaleString()}`);
   document.getElementById("done-bar").style.width =
     `${Math.min(100, 100 * s.rows_done / Math.max(s.rows_total, 1))}%`;
@@ -55,11 +78,11 @@ async function status() {
 async function rows() {
   const params = filters();
   params.set("offset", offset); params.set("limit", LIMIT);
-  const response = await fetch(`/api/rows?${params}`);
+  const response = await get(`/rows?${params}`);
   const body = await response.json();
   const error = document.getElementById("rows-error");
   error.hidden = response.ok;
-  if (!response.ok) { error.textContent = body.error; return; }
+  if (!response.ok) { error.textContent = problem(body); return; }
   const head = document.querySelector("#table thead tr");
   head.replaceChildren(...body.columns.map(c => {
     const th = document.createElement("th"); th.textContent = c; return th;
@@ -84,7 +107,7 @@ async function rows() {
 
 async function prompt(at) {
   const params = filters(); params.set("offset", at);
-  const body = await (await fetch(`/api/prompt?${params}`)).json();
+  const body = await (await get(`/prompt?${params}`)).json();
   document.getElementById("prompt-box").hidden = false;
   text("prompt-row", String(at + 1));
   text("prompt", body.prompt === null || body.prompt === undefined
@@ -92,6 +115,7 @@ async function prompt(at) {
 }
 
 document.addEventListener("DOMContentLoaded", async () => {
+  document.getElementById("back").hidden = !BATCH;
   document.getElementById("filters").addEventListener("submit", e => {
     e.preventDefault(); offset = 0; rows();
   });
@@ -104,6 +128,6 @@ document.addEventListener("DOMContentLoaded", async () => {
   setInterval(async () => {
     const before = s.state;
     s = await status();
-    if (s.state === "running" || before !== s.state) rows();
+    if (s.state === "running" || s.state === "waiting" || before !== s.state) rows();
   }, 3000);
 });
