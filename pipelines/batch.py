@@ -1,4 +1,5 @@
-"""OpenAI Batch files: a request file in, a result file and an error file out.
+"""OpenAI Batch files: a request file in, a result file and an error file out (and
+Anthropic's Message Batches files, whose one result file holds both: pipelines/batch_anthropic).
 
 ``overnight batch requests.jsonl -o results.jsonl`` runs a file written for the hosted Batch API
 on the same pipeline as every other job:
@@ -35,6 +36,7 @@ import pyarrow.parquet as pq
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
+from pipelines import batch_anthropic as anthropic
 from pipelines import batch_embeddings as embeddings
 from pipelines.config import JobConfig, apply_overrides, load_config
 from pipelines.errors import ConfigError, InputError, OutputError
@@ -152,6 +154,7 @@ class Prepared:
     rejected: int
     max_tokens: int  # the largest a request asks for: the job's cap
     task: str = "generate"  # or "embed": a file of /v1/embeddings lines
+    format: str = "openai"  # or "anthropic": a Message Batches file
 
 
 def _error_line(line: int, custom_id, code: str, message: str) -> dict:
@@ -174,11 +177,12 @@ def _text_of(content) -> str:
     raise ValueError("message content must be a string or a list of text parts")
 
 
-def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int) -> dict:
+def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int,
+                  fmt: str = "openai") -> dict:
     """One line -> one row of the prepared table; raises _Reject (code, message, the line's
     custom_id when it could be read) if it cannot run. ``default_max_tokens`` None: a request
     without max_tokens may use the room its prompt leaves (its row's max_tokens is null until
-    ``prepare`` has counted the prompt)."""
+    ``prepare`` has counted the prompt). ``fmt`` "anthropic": a Message Batches line."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -187,6 +191,11 @@ def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int) 
         raise _Reject("invalid_request", "a line must be a JSON object")
     custom_id = data.get("custom_id")
     try:
+        if fmt == anthropic.FORMAT:
+            return {CUSTOM_ID: custom_id, **anthropic.parse_line(data, _Reject)}
+        if anthropic.is_anthropic(data):
+            raise _Reject("invalid_request", "a Message Batches line (custom_id, params) in "
+                          "an OpenAI Batch file; put it in a file of its own")
         return _parse(data, default_max_tokens, max_model_len)
     except _Reject as reject:
         reject.custom_id = custom_id if isinstance(custom_id, str) else None
@@ -291,8 +300,23 @@ class _Reject(ValueError):
         self.code, self.message, self.custom_id = code, message, None
 
 
+def file_format(requests: Path) -> str:
+    """"anthropic" for a Message Batches file, else "openai": the first line that is a JSON
+    object says (``custom_id`` and ``params``, or ``url`` and ``body``)."""
+    with open(requests, "rb") as source:
+        for raw in source:
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(data, dict):
+                return anthropic.FORMAT if anthropic.is_anthropic(data) else "openai"
+    return "openai"
+
+
 def prepare(requests: Path, work: Path, default_max_tokens: int | None,
-            max_model_len: int, prompt_lengths=None, adapter_of=None) -> Prepared:
+            max_model_len: int, prompt_lengths=None, adapter_of=None,
+            fmt: str = "openai") -> Prepared:
     """Read the request file once, streaming: runnable requests to Parquet, the rest to the
     error file (both in line order). With ``default_max_tokens`` None, a request without
     max_tokens gets the room its prompt leaves in the context, as the hosted API's and vLLM's
@@ -314,7 +338,7 @@ def prepare(requests: Path, work: Path, default_max_tokens: int | None,
                     continue
                 try:
                     row = parse_request(raw.decode("utf-8"), default_max_tokens,
-                                        max_model_len)
+                                        max_model_len, fmt)
                     if adapter_of is not None and row[KIND] != embeddings.KIND:
                         try:
                             row[MODEL] = adapter_of(row[MODEL])
@@ -356,7 +380,7 @@ def prepare(requests: Path, work: Path, default_max_tokens: int | None,
     os.replace(tmp_table, table)
     os.replace(work / ".rejected.jsonl.tmp", errors)
     return Prepared(table, errors, count, rejected, top or default_max_tokens or 1,
-                    task="embed" if family == embeddings.KIND else "generate")
+                    task="embed" if family == embeddings.KIND else "generate", format=fmt)
 
 
 def _fill_room(rows: list[dict], max_model_len: int, prompt_lengths) -> int:
@@ -463,21 +487,24 @@ def work_dir(results: Path) -> Path:
     return results.with_name(results.name + ".overnight")
 
 
-def finish_write(results: Path, errors: Path) -> dict | None:
+def finish_write(results: Path, errors: Path | None) -> dict | None:
     """A committed write of this pair completed (its staged files renamed into place, which
     a kill may have cut short); its journal, or None when no write of this pair was
-    committed, so a file already at these paths is not this work directory's."""
+    committed, so a file already at these paths is not this work directory's. ``errors``
+    None: a Message Batches file's, whose one file holds every result."""
     journal = work_dir(results) / WRITTEN
     try:
         record = json.loads(journal.read_text())
     except (OSError, ValueError):
         return None
-    if (record.get("results"), record.get("errors")) != (str(results), str(errors)):
+    if (record.get("results"), record.get("errors")) != (str(results),
+                                                         errors and str(errors)):
         return None
-    for staged, target in ((record["staged"][0], results), (record["staged"][1], errors)):
-        if os.path.exists(staged):
+    for staged, target in zip(record["staged"], (results, errors)):
+        if target is not None and os.path.exists(staged):
             os.replace(staged, target)
-    return record if results.exists() and errors.exists() else None
+    done = results.exists() and (errors is None or errors.exists())
+    return record if done else None
 
 
 def _staged(path: Path, token: str) -> Path:
@@ -492,17 +519,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
+def write_results(job_output: Path, rejected: Path, results: Path, errors: Path | None,
                   model: str, tokenizer: str | None = None,
-                  adapters: tuple[str, ...] = ()) -> tuple[int, int]:
+                  adapters: tuple[str, ...] = (), fmt: str = "openai") -> tuple[int, int]:
     """The job's parts -> result lines (in input order); failed rows and rejected lines ->
     error lines (in line order), both committed at once (see WRITTEN). Returns (results,
-    errors). A result on a LoRA adapter (one of ``adapters``) names it as its model."""
+    errors). A result on a LoRA adapter (one of ``adapters``) names it as its model. ``fmt``
+    "anthropic": one file (``errors`` None) of every line's result, in line order."""
     finish_write(results, errors)  # an earlier commit first: its staged files are not leftovers
     for path in (results, errors):  # staged files of writes killed before their commit
-        for leftover in path.parent.glob(f".{path.name}.*.staged"):
+        for leftover in path.parent.glob(f".{path.name}.*.staged") if path else ():
             leftover.unlink(missing_ok=True)
     token = uuid.uuid4().hex[:8]
+    if fmt == anthropic.FORMAT:
+        return _write_anthropic(job_output, rejected, results, token, model, adapters)
     staged_ok, staged_errors = _staged(results, token), _staged(errors, token)
     failures = job_output.with_name(job_output.name + ".failed.jsonl")
     ok = failed = 0
@@ -530,6 +560,46 @@ def write_results(job_output: Path, rejected: Path, results: Path, errors: Path,
     finish_write(results, errors)
     failures.unlink()
     return ok, failed
+
+
+def _write_anthropic(job_output: Path, rejected: Path, results: Path, token: str, model: str,
+                     adapters: tuple[str, ...]) -> tuple[int, int]:
+    """A Message Batches file's results: the job's rows and the rejected lines merged in line
+    order into one file, committed as the pair is (see WRITTEN)."""
+    staged = _staged(results, token)
+    counts = [0, 0]  # succeeded, errored
+
+    def ran():
+        for part in list_parts(Location.of(job_output))[0]:  # in input order
+            for (row,) in _requests(pq.read_table(job_output / part.name)):  # n is always 1
+                if row[columns.ERROR] is not None \
+                        and row[columns.ERROR_KIND] != columns.ErrorKind.NO_ANSWER:
+                    yield row[LINE], anthropic.errored(row[CUSTOM_ID], row[columns.ERROR_KIND],
+                                                       row[columns.ERROR], row[LINE])
+                else:
+                    adapter = row.get(MODEL)
+                    yield row[LINE], anthropic.succeeded(
+                        row, adapter if adapter in adapters else model,
+                        thinking=columns.REASONING_TOKENS in row)
+
+    def refused():
+        with open(rejected, encoding="utf-8") as lines:
+            for text in lines:
+                error = json.loads(text)
+                yield error["error"]["line"], anthropic.errored(
+                    error["custom_id"], error["error"]["code"], error["error"]["message"],
+                    error["error"]["line"])
+
+    with open(staged, "w", encoding="utf-8") as out:
+        for _, line in heapq.merge(ran(), refused(), key=lambda item: item[0]):
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            counts[line["result"]["type"] == "errored"] += 1
+    _fsync(staged)
+    record = {"results": str(results), "errors": None, "counts": counts,
+              "staged": [str(staged), None]}
+    write_atomically(work_dir(results) / WRITTEN, lambda tmp: tmp.write_text(json.dumps(record)))
+    finish_write(results, None)
+    return counts[0], counts[1]
 
 
 def _requests(part: pa.Table):
@@ -630,10 +700,13 @@ def _openai_logprobs(entries: list[dict] | None, chat: bool, token_bytes) -> dic
 def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
                    errors: str | Path | None = None, config: dict | str | Path | None = None,
                    overrides: list[str] | tuple[str, ...] = (), overwrite: bool = False,
-                   progress=None, served_model_name: str | None = None) -> dict:
+                   progress=None, served_model_name: str | None = None,
+                   format: str | None = None) -> dict:
     """Run an OpenAI Batch input file; write the result and error files. Returns counts.
     ``served_model_name``: the ``model`` of every result body (default: the model
-    directory's name, ``served_name``)."""
+    directory's name, ``served_name``). ``format`` "openai" or "anthropic" (default: the
+    file's shape, ``file_format``): an Anthropic Message Batches file has one result file
+    of succeeded and errored results, and no error file."""
     import yaml
 
     from pipelines.pipeline import run_job
@@ -641,9 +714,17 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     from pipelines.write import OutputStore
 
     requests, results = Path(requests), Path(results)
-    errors = Path(errors) if errors else results.with_name(results.stem + ".errors.jsonl")
     if not requests.is_file():
         raise InputError(f"{requests}: no such request file")
+    if format not in (None, "openai", anthropic.FORMAT):
+        raise ConfigError(f"batch: format {format!r} is not one of openai, anthropic")
+    fmt = format or file_format(requests)
+    if fmt == anthropic.FORMAT:
+        if errors:
+            raise ConfigError("batch: a Message Batches file's results hold its errored "
+                              "requests too; it has no error file (drop -e/--errors)")
+    else:
+        errors = Path(errors) if errors else results.with_name(results.stem + ".errors.jsonl")
     committed = finish_write(results, errors)  # a kill between the two renames: complete it
     if isinstance(config, (str, Path)):
         try:
@@ -660,7 +741,7 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     # what the results depend on: the file, and the model and settings it runs with
     source = scrub_record({"path": str(requests.resolve()), "size": requests.stat().st_size,
                            "mtime": requests.stat().st_mtime, "max_model_len": max_model_len,
-                           "model": model, "config": base})
+                           "model": model, "config": base, "format": fmt})
     manifest = work / "source.json"
     unchanged = manifest.exists() and json.loads(manifest.read_text()) == source \
         and (work / "requests.parquet").exists()
@@ -668,7 +749,7 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     # file and settings): a re-run completes them, as it resumes the job
     ours = committed is not None and unchanged
     for path in (results, errors):
-        if path.exists() and not overwrite and not ours:
+        if path is not None and path.exists() and not overwrite and not ours:
             raise OutputError(f"{path} already exists; pass --overwrite to replace it")
     work.mkdir(parents=True, exist_ok=True)
     prepared_record = work / "prepared.json"
@@ -685,7 +766,8 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
                                model, max_model_len, model_section.get("trust_remote_code",
                                                                        False)),
                            adapter_of=model_resolver(served_model_name or served_name(model),
-                                                     model, adapters) if adapters else None)
+                                                     model, adapters) if adapters else None,
+                           fmt=fmt)
         write_atomically(prepared_record, lambda tmp: tmp.write_text(json.dumps(
             {k: v for k, v in prepared.__dict__.items() if k not in ("table", "errors")})))
         write_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(source)))
@@ -712,7 +794,8 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     else:
         ok, failed = write_results(job_output, prepared.errors, results, errors,
                                    served_model_name or served_name(model), tokenizer=model,
-                                   adapters=tuple(model_section.get("adapters") or ()))
+                                   adapters=tuple(model_section.get("adapters") or ()),
+                                   fmt=fmt)
     return {"requests": prepared.requests + prepared.rejected, "results": ok, "errors": failed,
             "rejected_lines": prepared.rejected, "results_path": str(results),
-            "errors_path": str(errors), "summary": summary}
+            "errors_path": errors and str(errors), "summary": summary, "format": fmt}

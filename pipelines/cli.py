@@ -63,11 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(validate)
     _reuse_args(validate)
 
-    batch = sub.add_parser("batch", help="run an OpenAI Batch API request file")
+    batch = sub.add_parser("batch", help="run an OpenAI Batch API or Anthropic Message "
+                           "Batches request file")
     batch.add_argument("requests", help="the request file (.jsonl, one request a line)")
     batch.add_argument("-o", "--output", required=True, help="the result file to write")
     batch.add_argument("-e", "--errors", help="the error file (default: OUTPUT's name with "
-                       ".errors.jsonl)")
+                       ".errors.jsonl; a Message Batches file has none)")
+    batch.add_argument("--format", choices=("openai", "anthropic"),
+                       help="the file's API (default: its lines' shape: url and body, or "
+                       "custom_id and params)")
     batch.add_argument("--model", required=True,
                        help="the local model every request runs on, whatever model it names")
     batch.add_argument("--config", help="a YAML file with engine, model, sampling, resources "
@@ -165,7 +169,13 @@ def cmd_batch(args) -> int:
     counts = run_batch_file(args.requests, args.output, errors=args.errors, model=args.model,
                             config=args.config, overrides=args.overrides,
                             overwrite=args.overwrite, served_model_name=args.served_model_name,
-                            progress=Progress(total=0, enabled=not args.quiet))
+                            progress=Progress(total=0, enabled=not args.quiet),
+                            format=args.format)
+    if counts["format"] == "anthropic":
+        print(f"requests: {counts['requests']} lines -> {counts['results']} succeeded, "
+              f"{counts['errors']} errored ({counts['rejected_lines']} could not run)")
+        print(f"results: {counts['results_path']}")
+        return 0
     print(f"requests: {counts['requests']} lines -> {counts['results']} results, "
           f"{counts['errors']} errors ({counts['rejected_lines']} could not run)")
     print(f"results: {counts['results_path']}\nerrors: {counts['errors_path']}")

@@ -197,7 +197,8 @@ class Runner:
     def _launch(self, batch_id: str, folder: Path) -> subprocess.Popen:
         command = [sys.executable, "-m", "pipelines.cli", "batch", str(folder / INPUT),
                    "-o", str(folder / RESULTS), "-e", str(folder / ERRORS),
-                   "--model", self.model, "--served-model-name", self.served_model, "--quiet"]
+                   "--model", self.model, "--served-model-name", self.served_model, "--quiet",
+                   "--format", "openai"]
         if self.config is not None:
             command += ["--config", str(self.config)]
         for override in self.overrides:

@@ -353,3 +353,34 @@ def test_a_later_step_reads_an_earlier_steps_answer_and_thinking_by_name(
     report = json.loads((root / "steps.report.json").read_text())
     assert report["reasoning"]["reasoning_tokens"] == out["reasoning_tokens"].sum()
     assert report["reasoning"]["no_answer_rows"] == short.height
+
+
+def test_anthropic_results_carry_the_thinking_as_a_thinking_block(our_batch, think_model,
+                                                                  end_token, root, ray_cluster):
+    """The same requests as a Message Batches file (Anthropic's has no logit_bias: the job's
+    sampling.logit_bias is every request's): the thinking first, as a thinking block."""
+    lines = [{"custom_id": f"r{i}", "params": {
+        "model": "claude-sonnet-4-5", "max_tokens": BUDGET, "temperature": 0, "system": SYSTEM,
+        "messages": [{"role": "user", "content": f"Describe {r['title']}: {r['description']}"}]}}
+        for i, r in enumerate(ROWS)]
+    (root / "messages.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_batch_file(root / "messages.jsonl", root / "messages-results.jsonl", model=think_model,
+                   overrides=[f"engine.kv_cache_memory_bytes={KV_CACHE}", "model.dtype=float32",
+                              "model.max_model_len=512", "resources.batch_size=8",
+                              f"model.reasoning_parser={PARSER}",
+                              f"sampling.logit_bias={{{end_token}: {BIAS}}}"])
+    results = [json.loads(line) for line in
+               (root / "messages-results.jsonl").read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [f"r{i}" for i in range(len(ROWS))]
+    for result in results:
+        message, body = result["result"]["message"], our_batch[result["custom_id"]]
+        expected = [{"type": "thinking", "thinking": body["choices"][0]["message"]["reasoning"],
+                     "signature": ""}]
+        if body["choices"][0]["message"]["content"] is not None:
+            expected.append({"type": "text", "text": body["choices"][0]["message"]["content"]})
+        assert message["content"] == expected
+        assert message["usage"]["output_tokens"] == body["usage"]["completion_tokens"]
+        assert message["stop_reason"] == {"length": "max_tokens", "stop": "end_turn"}[
+            body["choices"][0]["finish_reason"]]
+    # both kinds are here: rows that answered, and rows whose thinking used the budget
+    assert {len(r["result"]["message"]["content"]) for r in results} == {1, 2}

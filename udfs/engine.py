@@ -39,6 +39,9 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    # The matched stop string kept at the text's end (vLLM's include_stop_str_in_output): a
+    # reader that must know which one stopped it (Anthropic's stop_sequence) strips it itself
+    include_stop: bool = False
     # Per generated token: its logprob and this many top alternatives (None: no logprobs)
     logprobs: int | None = None
     # Constrained decoding: {"json": schema} | {"choice": [...]} | {"regex": "..."}

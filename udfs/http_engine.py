@@ -94,6 +94,8 @@ def request_body(options: HTTPOptions, r: GenerationRequest) -> dict:
         body["repetition_penalty"] = r.repetition_penalty
     if r.stop_token_ids:
         body["stop_token_ids"] = list(r.stop_token_ids)
+    if r.include_stop:
+        body["include_stop_str_in_output"] = True
     if r.logit_bias:  # OpenAI's shape: token ids as the object's keys
         body["logit_bias"] = {str(token): bias for token, bias in r.logit_bias}
     if r.logprobs is not None:  # the two endpoints ask for them differently

@@ -89,6 +89,7 @@ class RowOverrides(BaseModel):
     presence_penalty: float = Field(None, ge=-2, le=2)
     frequency_penalty: float = Field(None, ge=-2, le=2)
     stop_token_ids: list[int] = None
+    include_stop_str_in_output: bool = None  # vLLM's: the matched stop string kept in the text
     # OpenAI's logit_bias: token ids (JSON object keys, so strings) to a bias in [-100, 100]
     logit_bias: dict[str, float] = None
 
@@ -232,6 +233,7 @@ class Predictor:
             presence_penalty=overrides.get("presence_penalty", s.presence_penalty),
             frequency_penalty=overrides.get("frequency_penalty", s.frequency_penalty),
             stop_token_ids=tuple(overrides.get("stop_token_ids", s.stop_token_ids)),
+            include_stop=overrides.get("include_stop_str_in_output", False),
             logprobs=top if self._top(overrides) is not None or s.confidence_top_k else None,
             structured={"json": schema} if schema is not None else s.structured,
             messages=json.loads(messages) if messages is not None else None,

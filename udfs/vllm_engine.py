@@ -151,6 +151,7 @@ class VLLMEngine:
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             stop_token_ids=list(req.stop_token_ids) or None,
+            include_stop_str_in_output=req.include_stop,
             logit_bias=dict(req.logit_bias) or None,
             logprobs=req.logprobs,
             structured_outputs=(self._vllm.sampling_params.StructuredOutputsParams(
