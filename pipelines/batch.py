@@ -154,7 +154,6 @@ class Prepared:
     rejected: int
     max_tokens: int  # the largest a request asks for: the job's cap
     task: str = "generate"  # or "embed": a file of /v1/embeddings lines
-    format: str = "openai"  # or "anthropic": a Message Batches file
 
 
 def _error_line(line: int, custom_id, code: str, message: str) -> dict:
@@ -380,7 +379,7 @@ def prepare(requests: Path, work: Path, default_max_tokens: int | None,
     os.replace(tmp_table, table)
     os.replace(work / ".rejected.jsonl.tmp", errors)
     return Prepared(table, errors, count, rejected, top or default_max_tokens or 1,
-                    task="embed" if family == embeddings.KIND else "generate", format=fmt)
+                    task="embed" if family == embeddings.KIND else "generate")
 
 
 def _fill_room(rows: list[dict], max_model_len: int, prompt_lengths) -> int:
@@ -552,14 +551,21 @@ def write_results(job_output: Path, rejected: Path, results: Path, errors: Path 
         for line in heapq.merge(a, b, key=lambda text: json.loads(text)["error"]["line"]):
             out.write(line)
             failed += 1  # every error line, rejected or failed in the run
-    for path in (staged_ok, staged_errors):
-        _fsync(path)
-    record = {"results": str(results), "errors": str(errors), "counts": [ok, failed],
-              "staged": [str(staged_ok), str(staged_errors)]}
-    write_atomically(work_dir(results) / WRITTEN, lambda tmp: tmp.write_text(json.dumps(record)))
-    finish_write(results, errors)
+    _commit(results, errors, (staged_ok, staged_errors), [ok, failed])
     failures.unlink()
     return ok, failed
+
+
+def _commit(results: Path, errors: Path | None, staged: tuple, counts: list[int]) -> None:
+    """The staged files synced, the journal naming them written (the commit point), each
+    renamed into place (see WRITTEN). ``errors`` None: one file, ``staged`` (file, None)."""
+    for path in staged:
+        if path is not None:
+            _fsync(path)
+    record = {"results": str(results), "errors": errors and str(errors), "counts": counts,
+              "staged": [path and str(path) for path in staged]}
+    write_atomically(work_dir(results) / WRITTEN, lambda tmp: tmp.write_text(json.dumps(record)))
+    finish_write(results, errors)
 
 
 def _write_anthropic(job_output: Path, rejected: Path, results: Path, token: str, model: str,
@@ -594,11 +600,7 @@ def _write_anthropic(job_output: Path, rejected: Path, results: Path, token: str
         for _, line in heapq.merge(ran(), refused(), key=lambda item: item[0]):
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
             counts[line["result"]["type"] == "errored"] += 1
-    _fsync(staged)
-    record = {"results": str(results), "errors": None, "counts": counts,
-              "staged": [str(staged), None]}
-    write_atomically(work_dir(results) / WRITTEN, lambda tmp: tmp.write_text(json.dumps(record)))
-    finish_write(results, None)
+    _commit(results, None, (staged, None), counts)
     return counts[0], counts[1]
 
 
