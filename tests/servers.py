@@ -1,5 +1,5 @@
-"""Real servers for the HTTP engine's tests, on loopback: ``vllm serve`` with the tiny model,
-and a stub that answers 429 a few times before passing requests through to it."""
+"""Real servers for the tests, on loopback: ``vllm serve`` with the tiny model, moto's S3
+server, and a stub that answers 429 a few times before passing requests through to it."""
 
 from __future__ import annotations
 
@@ -21,45 +21,70 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class VLLMServer:
-    """``python -m vllm.entrypoints.openai.api_server`` on CPU: start, kill, start again on
-    the same port (the engine settings are the ones the in-process tests use)."""
+class LoopbackServer:
+    """A server in a process (and session) of its own on a free loopback port: start it, wait
+    until ``ready_path`` answers 200, kill it, start it again on the same port."""
 
-    def __init__(self, model: str, log_path, kv_cache: int, max_model_len: int = 512):
-        self.model, self.log_path = model, log_path
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                     "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-                     "--dtype", "float32", "--max-model-len", str(max_model_len),
-                     "--kv-cache-memory-bytes", str(kv_cache), "--enforce-eager",
-                     "--no-enable-chunked-prefill", "--structured-outputs-config",
-                     '{"backend": "guidance", "disable_any_whitespace": true}']
+    ready_path = "/"
+
+    def __init__(self, args: list[str], log_path, env: dict | None = None):
+        self.args, self.log_path, self.env = args, log_path, env
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 180) -> None:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True,
-                                     env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                                     start_new_session=True, env={**os.environ, **(self.env or {})})
+        name = type(self).__name__
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm server exited {self.proc.returncode}; see "
-                                   f"{self.log_path}")
+                raise RuntimeError(f"{name} exited {self.proc.returncode}; see {self.log_path}")
             try:
-                if httpx.get(f"{self.base_url}/models", timeout=2).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{self.port}{self.ready_path}",
+                             timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         self.kill()
-        raise RuntimeError(f"vllm server not up after {timeout} s; see {self.log_path}")
+        raise RuntimeError(f"{name} not up after {timeout} s; see {self.log_path}")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+
+
+class VLLMServer(LoopbackServer):
+    """``python -m vllm.entrypoints.openai.api_server`` on CPU (the engine settings are the
+    ones the in-process tests use)."""
+
+    ready_path = "/v1/models"
+
+    def __init__(self, model: str, log_path, kv_cache: int, max_model_len: int = 512):
+        self.model = model
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        super().__init__(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+             "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+             "--dtype", "float32", "--max-model-len", str(max_model_len),
+             "--kv-cache-memory-bytes", str(kv_cache), "--enforce-eager",
+             "--no-enable-chunked-prefill", "--structured-outputs-config",
+             '{"backend": "guidance", "disable_any_whitespace": true}'],
+            log_path, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+class MotoServer(LoopbackServer):
+    """moto's S3 server (``python -m moto.server``): a real S3 API on loopback."""
+
+    ready_path = "/moto-api/"
+
+    def __init__(self, log_path):
+        self.port = free_port()
+        super().__init__([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                          "-p", str(self.port)], log_path)
 
 
 class TooManyRequestsStub:

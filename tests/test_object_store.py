@@ -18,19 +18,20 @@ from pipelines.storage import Location
 from pipelines.write import OutputStore, part_name
 
 from conftest import job_config
+from servers import MotoServer
 
 ROWS = [{"sku": f"S{i:02d}", "title": f"Lamp {i}", "description": f"light {i}"} for i in range(12)]
 
 
 @pytest.fixture(scope="module")
-def s3():
-    """A URI maker for one bucket on a local S3 server."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+def s3(tmp_path_factory):
+    """A URI maker for one bucket on a local S3 server. moto's server runs in a process of its
+    own: imported here, its Flask proxies would sit in this worker's modules, where vLLM's
+    kernel scan (when a later test file builds an engine in this process) trips over them
+    ("Working outside of application context")."""
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
     server.start()
-    host, port = server.get_host_and_port()
-    options = f"endpoint_override={host}:{port}&scheme=http&region=us-east-1"
+    options = f"endpoint_override=127.0.0.1:{server.port}&scheme=http&region=us-east-1"
 
     def uri(key: str) -> str:
         return f"s3://testing:testing@bucket/{key}?{options}"
@@ -38,7 +39,7 @@ def s3():
     fs, _ = pafs.FileSystem.from_uri(uri("x") + "&allow_bucket_creation=true")
     fs.create_dir("bucket")
     yield uri
-    server.stop()
+    server.kill()
 
 
 def put_table(s3, key: str, table: pa.Table) -> None:
