@@ -32,8 +32,7 @@ demo: setup models/smollm2/config.json
 # core of two busy at a time. More workers need more memory: each runs Ray and engines. Tests
 # marked serial time the machine itself, and run alone afterwards.
 # The pooling tests build and drop in-process vLLM pooling engines, which tears down vLLM's
-# process-wide parallel state under the session's shared engine (and vLLM's kernel scan trips
-# over Flask's proxies, which the object-store tests import): each file runs in a worker
+# process-wide parallel state under the session's shared engine: each file runs in a worker
 # process of its own, the two at once (--dist loadfile gives two files two workers).
 POOLING_TESTS := tests/test_http_pooling.py tests/test_pooling.py
 TEST_WORKERS ?= 2
