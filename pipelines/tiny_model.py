@@ -9,6 +9,9 @@ With ``labels`` it is a sequence classifier instead (``LlamaForSequenceClassific
 ``id2label`` the labels): vLLM runs it as a pooling model for ``task: classify``, and with one
 label as a cross-encoder for ``task: score``. The causal LM itself serves ``task: embed``
 (vLLM's ``runner="pooling"`` turns it into an embedding model).
+
+``build_tiny_vision_model`` builds a vision-language one (Idefics3, images in chat content
+lists), the same way: local tokenizer, seeded random weights.
 """
 
 from __future__ import annotations
@@ -127,3 +130,112 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0,
                 param.mul_(4.0)
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     return out
+
+
+# A tiny vision-language model: Idefics3 (a SigLIP-style vision tower, a pixel-shuffle
+# connector and a Llama text model). Of vLLM 0.32's image models it is the one that runs here:
+# its image processor is PIL and numpy, no torchvision (the others import torchvision, whose
+# registry builds are CUDA ones that break ``import vllm`` on a CPU machine).
+# The image tokens as Idefics3's processor names them; the 36 ``<row_i_col_j>`` tags mark the
+# tiles when image splitting is on.
+VISION_TOKENS = (["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+                 + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
+# Idefics3's own template, shaped for OpenAI-style content lists ({"type": "image"} and
+# {"type": "text", "text": ...} parts), with plain string content accepted too. vLLM's chat
+# path sees the loop over the content and passes the parts, each image as {"type": "image"};
+# the processor then expands each ``<image>`` into the image's tokens.
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}: {{ message['content'] }}"
+    "{% else %}"
+    "{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<image>{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<end_of_utterance>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+VISION_TILE = 32    # px: the vision tower's image size (a tile, and the whole image unsplit)
+VISION_PATCH = 8    # px: (32 / 8)^2 = 16 patches, pixel-shuffled by 2 into 4 tokens an image
+
+
+def build_tiny_vision_model(out_dir: str | Path, seed: int = 0) -> str:
+    """Write a tokenizer, an ``Idefics3Processor`` and a random-weight
+    Idefics3ForConditionalGeneration (float32) to ``out_dir``; return the directory.
+
+    Image splitting is off: every image, whatever its size, is resized to one 32 px square and
+    costs 7 prompt tokens (``<fake_token_around_image><global-img>`` + 4 ``<image>`` +
+    ``<fake_token_around_image>``). A request can turn it on (vLLM's ``mm_processor_kwargs``
+    ``{"do_image_splitting": true}``): up to 4 x 4 tiles of 32 px, the image first resized to a
+    128 px longest edge."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3ImageProcessorPil, Idefics3Processor, LlamaConfig,
+                              PreTrainedTokenizerFast)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048,
+        special_tokens=["<s>", "</s>", "<pad>"] + VISION_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_corpus(4000, seed) + ["User: Assistant: User:"] * 50,
+                            trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        extra_special_tokens=VISION_TOKENS, model_max_length=2048,
+    )
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE
+
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False,
+        size={"longest_edge": 4 * VISION_TILE},
+        max_image_size={"longest_edge": VISION_TILE},
+    )
+    scale_factor = 2
+    image_seq_len = (VISION_TILE // VISION_PATCH) ** 2 // scale_factor ** 2
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                  image_seq_len=image_seq_len,
+                                  chat_template=VISION_CHAT_TEMPLATE)
+    processor.save_pretrained(out)  # the tokenizer too, with its chat template
+    tokenizer.save_pretrained(out)
+
+    # head_dim 32 in both towers: vLLM's CPU attention refuses a head size under 32
+    text_config = LlamaConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=2048,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=VISION_TILE,
+                           patch_size=VISION_PATCH),
+        text_config=text_config,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=scale_factor,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():
+        # as in build_tiny_model: spread-out logits, no near-ties for greedy choices
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.mul_(4.0)
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    return str(out)
