@@ -165,15 +165,33 @@ def _id(prefix: str, custom_id, line: int) -> str:
     return f"{prefix}_{hashlib.sha1(f'{custom_id}:{line}'.encode()).hexdigest()[:24]}"
 
 
-def _text_of(content) -> str:
-    """A message's content: a string, or a list of text parts (images are refused)."""
+def _content(content) -> str | list[dict]:
+    """A message's content: a string; a list of text parts, joined; or, where it holds images,
+    its text and ``image_url`` parts (a ``data:`` or http(s) URL each; ``detail`` is accepted
+    and, as in vLLM, has no effect) in their order."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if any(p.get("type") != "text" for p in content):
-            raise ValueError("only text content parts are supported")
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        raise ValueError("message content must be a string or a list of content parts")
+    kinds = {p.get("type") for p in content}
+    if not kinds <= {"text", "image_url"}:
+        other = sorted(str(k) for k in kinds - {"text", "image_url"})[0]
+        raise ValueError(f"content parts of type {other!r} are not supported (text and "
+                         "image_url are)")
+    if kinds <= {"text"}:
         return "".join(str(p.get("text", "")) for p in content)
-    raise ValueError("message content must be a string or a list of text parts")
+    parts = []
+    for part in content:
+        if part["type"] == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+            continue
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else None
+        if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
+            raise ValueError("an image_url part needs image_url.url, a data: URL or an "
+                             "http(s) URL")
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
 
 
 def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int,
@@ -263,7 +281,7 @@ def _message(index: int, message: dict) -> dict:
         raise _Reject("invalid_body", f"{where}.{extra[0]}: not supported by overnight, "
                       "which would have to ignore it; remove it")
     try:
-        return {"role": str(message["role"]), "content": _text_of(message.get("content"))}
+        return {"role": str(message["role"]), "content": _content(message.get("content"))}
     except ValueError as exc:
         raise _Reject("invalid_body", f"{where}: {exc}") from None
 

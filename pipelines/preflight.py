@@ -18,6 +18,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipelines.adapters import adapter_sampling, adapters_fingerprint, check_adapters
+from pipelines.images import check_image_columns, check_model_takes_images, image_spec, \
+    max_images
 from pipelines.request_key import KeySpec, key_columns, key_parts
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
@@ -101,6 +103,7 @@ def plan_job(config: JobConfig) -> JobPlan:
     if config.steps is None and config.prompt.template is not None:
         _check_template_renders(config, plan, variables)
     max_model_len = _resolve_model(config)
+    images = _check_images(config, plan)
     if config.engine.kind == "vllm":
         _check_engine_args(config.engine.args)
     if config.model.reasoning_parser is not None:
@@ -136,6 +139,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
         max_tokens_column=config_sampling.max_tokens_column,
         chat_template_kwargs=config_prompt.chat_template_kwargs,
+        images=image_spec(config_prompt, config.input.path),
     )
     engine_options = (_http_engine_options(config) if config.engine.kind == "http" else {
         "max_model_len": max_model_len,
@@ -150,6 +154,9 @@ def plan_job(config: JobConfig) -> JobPlan:
         # LoRA: each adapter checked against the model (pipelines/adapters.py)
         **(check_adapters(config.model) if config.model.adapters else {}),
     })
+    if images and "limit_mm_per_prompt" not in config.engine.args:
+        engine_options["args"] = {**engine_options.get("args", {}),
+                                  "limit_mm_per_prompt": {"image": images}}
     s = config.sampling
     confidence = config.confidence_column()
     top_for_confidence = 0
@@ -364,6 +371,22 @@ def _check_template_renders(config: JobConfig, plan: InputPlan, variables: list[
     if tried >= 3:
         raise ConfigError(f"prompt.template fails on each of the {tried} rows tried (the "
                           f"first block's), e.g. row {first[0]!r}: {first[1]}")
+
+
+def _check_images(config: JobConfig, plan: InputPlan) -> int:
+    """A job with images (any prompt's prompt.images): its columns hold images, the model
+    takes them; -> the most images a prompt may hold (0: a job without images)."""
+    prompts = [p for p in config.prompts() if p.images]
+    if not prompts:
+        return 0
+    if config.engine.kind != "vllm":
+        raise ConfigError("prompt.images: engine.kind http does not take a table's images "
+                          "yet; run the job on the in-process engine (engine.kind: vllm)")
+    for prompt in prompts:
+        check_image_columns(prompt, plan.schema)
+    check_model_takes_images(config.model.name, config.model.trust_remote_code)
+    sample = read_block(plan.blocks[0], plan.schema) if plan.blocks else None
+    return max(max_images(p, sample) for p in prompts)
 
 
 def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> None:

@@ -57,7 +57,10 @@ def key_columns(config, variables: list[str]) -> list[str]:
     """The row's values a generation reads: the prompt's columns, the per-row settings, and
     the seed's key when a row may be sampled (a greedy row needs no seed)."""
     s, p = config.sampling, config.prompt
-    names = [*variables, p.adapter_column, s.max_tokens_column, s.overrides_column]
+    # a prompt's images by their values (bytes, or a path: an image changed in place under
+    # the same path is not seen)
+    images = [name for prompt in config.prompts() for name in prompt.images or ()]
+    names = [*variables, *images, p.adapter_column, s.max_tokens_column, s.overrides_column]
     if s.temperature > 0 or s.overrides_column is not None:
         names.append(config.input.id_column or columns.ORDINAL)
     return sorted({n for n in names if n is not None})

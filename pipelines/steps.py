@@ -21,6 +21,7 @@ import pyarrow as pa
 from pipelines.adapters import adapter_sampling
 from pipelines.config import JobConfig, StepConfig
 from pipelines.errors import ConfigError, InputError
+from pipelines.images import image_spec
 from udfs import columns
 from udfs.predictor import SamplingSpec
 from udfs.prompts import RenderSpec, TemplateError, compile_template
@@ -64,7 +65,8 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
             on_too_long=p.on_too_long, on_null=p.on_null,
             trust_remote_code=config.model.trust_remote_code, messages_column=p.messages_column,
             keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
-            chat_template_kwargs=p.chat_template_kwargs)
+            chat_template_kwargs=p.chat_template_kwargs,
+            images=image_spec(p, config.input.path))
         sampling = SamplingSpec(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,

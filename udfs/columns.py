@@ -4,6 +4,8 @@ Public columns are written to the output. Internal ones (``__overnight_*``) carr
 stages and are dropped before a part is written.
 """
 
+import pyarrow as pa
+
 # Added to the output when the input has no id column: the row's position in the input.
 ROW_ID = "row_id"
 
@@ -30,6 +32,11 @@ REQUEST_KEY = "request_key"
 ORDINAL = "__overnight_ordinal"
 PROMPT_TOKEN_IDS = "__overnight_prompt_token_ids"
 PROMPT_MESSAGES = "__overnight_prompt_messages"  # JSON; only for an engine that wants them
+# A prompt's images, in the order it holds them (udfs/images.py): each its bytes or its path
+# or URL, loaded and decoded where the engine takes them
+PROMPT_IMAGES = "__overnight_prompt_images"
+PROMPT_IMAGES_TYPE = pa.list_(pa.struct([("bytes", pa.large_binary()),
+                                         ("path", pa.large_string())]))
 SEED = "__overnight_seed"
 # With SAMPLE_INDEX: how many samples the row has. The writer tells by it a row that Ray Data
 # cut between two of its samples (pipelines/write/: a part holds whole input rows).
@@ -59,6 +66,9 @@ class ErrorKind:
     NO_ANSWER = "no_answer"
     # the row's adapter column names a LoRA adapter the job does not declare (model.adapters)
     ADAPTER = "unknown_adapter"
+    # an image of the row cannot be used: missing, not an image, truncated, over the pixel
+    # cap, or null (prompt.on_null: error)
+    IMAGE = "image_error"
 
 
 class FinishReason:
@@ -93,3 +103,4 @@ def step_column(column: str, meta: str) -> str:
 # (pipelines/preflight.py); and on a part of a job with steps, its per-step counts.
 JOB_METADATA = b"overnight.job"
 STEPS_METADATA = b"overnight.steps"
+

@@ -55,6 +55,11 @@ class GenerationRequest:
     chat_template_kwargs: dict | None = None
     # The LoRA adapter to run it on, by its name in the engine's adapters (None: the base)
     adapter: str | None = None
+    # The prompt's images, in the order its placeholders stand (udfs/images.py: each a
+    # {bytes, path} source, found and loaded by ``image_spec``), decoded when the engine
+    # takes the request; an image that cannot be used is this request's image_error
+    images: tuple[dict, ...] = ()
+    image_spec: Any = None  # udfs.images.ImageSpec
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,9 @@ class GenerationResult:
     reasoning: str | None = None
     reasoning_tokens: int | None = None
     answer_start: int = 0
+    # the prompt's tokens as the engine counted them, where it knows: a prompt's images
+    # expanded into their tokens
+    prompt_tokens: int | None = None
 
 
 def token_logprob(token: str | None, token_id: int | None, logprob: float,

@@ -211,7 +211,8 @@ class Predictor:
 
     def _request(self, token_ids: list[int], key, sample: int, max_tokens: int | None,
                  messages: str | None, overrides: dict,
-                 adapter: str | None = None) -> GenerationRequest:
+                 adapter: str | None = None, images: list[dict] | None = None
+                 ) -> GenerationRequest:
         s = self.sampling
         cap = s.max_tokens if max_tokens is None else max(1, min(max_tokens, s.max_tokens))
         temperature = overrides.get("temperature", s.temperature)
@@ -243,6 +244,8 @@ class Predictor:
             chat_template_kwargs=(self.renderer.spec.chat_template_kwargs or {}
                                   if self.renderer is not None else None),
             adapter=adapter,
+            images=tuple(images or ()),
+            image_spec=self.renderer.spec.images if images and self.renderer else None,
         )
 
     def _top(self, overrides: dict) -> int | None:
@@ -302,12 +305,13 @@ class Predictor:
         keys = batch.column(self.sampling.key_column).to_pylist()
         caps = (batch.column(self.sampling.max_tokens_column).to_pylist()
                 if self.sampling.max_tokens_column else [None] * batch.num_rows)
-        messages = (batch.column(columns.PROMPT_MESSAGES).to_pylist()
-                    if columns.PROMPT_MESSAGES in batch.column_names else [None] * batch.num_rows)
+        messages, images = (batch.column(name).to_pylist() if name in batch.column_names
+                            else [None] * batch.num_rows
+                            for name in (columns.PROMPT_MESSAGES, columns.PROMPT_IMAGES))
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
         results = self.recovery.generate(self.engine, block, [
             self._request(token_ids[i], keys[i], samples[i], caps[i], messages[i], overrides[i],
-                          adapters[i])
+                          adapters[i], images[i])
             for i in todo])
 
         rows = batch.num_rows
@@ -324,7 +328,12 @@ class Predictor:
                 kinds[i], errors[i] = ErrorKind.ADAPTER, message
         thinking = self.sampling.reasoning_column is not None
         reasoning, reasoning_tokens = [None] * rows, [None] * rows
+        prompt_tokens = None
+        if columns.PROMPT_IMAGES in batch.column_names:  # the engine counts an image's tokens
+            prompt_tokens = batch.column(columns.PROMPT_TOKENS).to_pylist()
         for i, result in zip(todo, results):
+            if prompt_tokens is not None and images[i] and result.prompt_tokens is not None:
+                prompt_tokens[i] = result.prompt_tokens
             if result.error is not None:
                 kinds[i], errors[i] = result.error_kind or ErrorKind.ENGINE, result.error
                 continue
@@ -335,9 +344,13 @@ class Predictor:
                 if result.text is None:  # it thought and did not answer: retried with room
                     kinds[i] = ErrorKind.NO_ANSWER
                     errors[i] = no_answer(result, self.sampling.budget_key)
+        if prompt_tokens is not None:
+            batch = batch.set_column(batch.schema.get_field_index(columns.PROMPT_TOKENS),
+                                     columns.PROMPT_TOKENS, pa.array(prompt_tokens, pa.int64()))
         batch = batch.drop_columns([c for c in (columns.PROMPT_TOKEN_IDS, columns.PROMPT_MESSAGES,
-                                                columns.FINISH_REASON, columns.ERROR_KIND,
-                                                columns.ERROR) if c in batch.column_names])
+                                                columns.PROMPT_IMAGES, columns.FINISH_REASON,
+                                                columns.ERROR_KIND, columns.ERROR)
+                                    if c in batch.column_names])
         if expand:
             batch = (batch
                      .append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))

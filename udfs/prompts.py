@@ -15,8 +15,9 @@ import pyarrow as pa
 from jinja2 import StrictUndefined, TemplateSyntaxError, meta, nodes
 from jinja2.sandbox import SandboxedEnvironment
 
-from udfs import columns
+from udfs import columns, images
 from udfs.columns import ErrorKind, FinishReason
+from udfs.images import ImageSpec
 
 
 class TemplateError(ValueError):
@@ -174,6 +175,9 @@ class RenderSpec:
     max_tokens_column: str | None = None  # a row's own max_tokens: its prompt may use the rest
     # the chat template's own switches (enable_thinking...), as vLLM's chat path passes them
     chat_template_kwargs: dict | None = None
+    # prompt.images: the columns of each row's images, which go into its user message before
+    # the text; a messages column's image_url parts are images too, wherever they stand
+    images: ImageSpec | None = None
 
 
 def _decoded(value):
@@ -188,18 +192,52 @@ def _decoded(value):
     return value
 
 
-def _messages(value) -> list[dict]:
-    """A row's messages column as chat messages; ValueError (a row error) if it is not."""
+def _messages(value) -> tuple[list[dict], list[dict]]:
+    """A row's messages column as chat messages, and the image sources its ``image_url`` parts
+    hold, in order; ValueError (a row error) if it is not. A content that is a list of parts
+    keeps its text parts and has ``{"type": "image"}`` where an image stands: the parts a chat
+    template reads, as vLLM's chat path gives them."""
     value = _decoded(value)
     if not isinstance(value, list) or not value:
         raise ValueError("the messages column must hold a non-empty list of {role, content}")
-    out = []
+    out, found = [], []
     for item in value:
+        content = item.get("content") if isinstance(item, dict) else None
         if not isinstance(item, dict) or not isinstance(item.get("role"), str) \
-                or not isinstance(item.get("content"), str):
+                or not isinstance(content, (str, list)):
             raise ValueError(f"not a {{role, content}} message: {str(item)[:80]}")
-        out.append({"role": item["role"], "content": item["content"]})
-    return out
+        if isinstance(content, list):
+            content = [_part(part, found) for part in content]
+        out.append({"role": item["role"], "content": content})
+    return out, found
+
+
+def _part(part, found: list[dict]) -> dict:
+    """One content part as a chat template reads it; an image's source added to ``found``."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise ValueError("an image_url part without a url")
+        # as OpenAI's API takes them: never a path, so a request cannot make a server read
+        # one of its own files
+        if not url.startswith(("data:", "http://", "https://")):
+            raise ValueError(f"an image_url must be a data: URL or an http(s) URL, not "
+                             f"{url[:60]!r}")
+        found.append({"bytes": None, "path": url})
+        return {"type": "image"}
+    raise ValueError(f"a content part must be text or image_url: {str(part)[:80]}")
+
+
+def user_content(text: str, count: int) -> str | list[dict]:
+    """A user message's content: the text, after ``count`` images (the order most
+    vision-language models are trained on)."""
+    if not count:
+        return text
+    return [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
@@ -220,6 +258,7 @@ class PromptRenderer:
         self.tokenizer = load_tokenizer(spec.tokenizer, spec.trust_remote_code)
         self.use_chat = spec.chat and bool(getattr(self.tokenizer, "chat_template", None))
         self.budget = spec.max_model_len - spec.max_tokens
+        self.image_columns = spec.images.columns if spec.images is not None else ()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         values = {name: batch.column(name).to_pylist() for name in self.variables}
@@ -227,13 +266,20 @@ class PromptRenderer:
                 if self.spec.max_tokens_column else [None] * batch.num_rows)
         rows = [{name: values[name][i] for name in self.variables}
                 for i in range(batch.num_rows)]
-        rendered = self.render_rows(rows, caps)
+        found = self.images_of(batch, rows)
+        rendered = self.render_rows(rows, caps, found)
         token_ids, lengths, reasons, kinds, errors = (list(c) for c in zip(*rendered)) \
             if rendered else ([], [], [], [], [])
         if self.spec.keep_messages:
-            messages = [json.dumps(self.render_messages(self.fill_nulls(row)))
-                        if ids is not None else None for row, ids in zip(rows, token_ids)]
+            counts = [self.images_count(f) for f in found or [None] * len(rows)]
+            messages = [json.dumps(self.render_messages(self.fill_nulls(row), count))
+                        if ids is not None else None
+                        for row, ids, count in zip(rows, token_ids, counts)]
             batch = batch.append_column(columns.PROMPT_MESSAGES, pa.array(messages, pa.string()))
+        if found is not None:  # the images of each prompt, loaded where the engine takes them
+            batch = batch.append_column(columns.PROMPT_IMAGES, pa.array(
+                [f if ids is not None and isinstance(f, list) else None
+                 for f, ids in zip(found, token_ids)], columns.PROMPT_IMAGES_TYPE))
         return (batch
                 .append_column(columns.PROMPT_TOKEN_IDS, pa.array(token_ids, pa.list_(pa.int32())))
                 .append_column(columns.PROMPT_TOKENS, pa.array(lengths, pa.int64()))
@@ -241,31 +287,75 @@ class PromptRenderer:
                 .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
                 .append_column(columns.ERROR, pa.array(errors, pa.string())))
 
-    def prompt(self, row: dict) -> tuple[str | None, list[dict] | None]:
-        """The row's prompt, rendered once: (a raw prompt, sent as it is, None) or (None, chat
-        messages: the system message, then the rendered template or the row's own)."""
+    def images_of(self, batch: pa.Table, rows: list[dict]) -> list[list[dict] | str] | None:
+        """Each row's image sources, in the order its prompt holds them, or the one line of
+        why they cannot be (the row's image_error); None where the job has no images."""
+        if self.image_columns:
+            values = {name: batch.column(name).to_pylist() for name in self.image_columns}
+            return [self._column_images({n: values[n][i] for n in self.image_columns})
+                    for i in range(batch.num_rows)]
+        if self.template is None and self.spec.images is not None:  # image_url parts
+            found = []
+            for row in rows:
+                try:
+                    found.append(self.prompt(row)[2] if row[self.spec.messages_column]
+                                 is not None else [])
+                except Exception:  # noqa: BLE001 - rendering says why, as the row's error
+                    found.append([])
+            return found if any(found) else None
+        return None
+
+    def images_count(self, found: list[dict] | str | None) -> int:
+        """The images prompt.images columns add before a row's text (a messages column's
+        stand where its parts put them)."""
+        return len(found) if isinstance(found, list) and self.image_columns else 0
+
+    def _column_images(self, values: dict) -> list[dict] | str:
+        found = []
+        for name, value in values.items():
+            try:
+                one = images.sources(value)
+            except ValueError as exc:
+                return f"column {name!r}: {exc}"
+            if not one and self.spec.on_null == "error":
+                return f"column {name!r} is null in this row (prompt.on_null: empty sends " \
+                    "the prompt without it)"
+            found += one
+        return found
+
+    def prompt(self, row: dict, images_count: int = 0) -> tuple[str | None, list[dict] | None,
+                                                               list[dict]]:
+        """The row's prompt, rendered once: (a raw prompt, sent as it is, None, []) or (None,
+        chat messages: the system message, then the rendered template or the row's own, the
+        image sources its messages' image_url parts hold). ``images_count``: the row's images
+        from prompt.images columns, placed before the template's text."""
+        found: list[dict] = []
         if self.template is None:
             value = _decoded(row[self.spec.messages_column])
             if isinstance(value, str):
-                return value, None
-            messages = _messages(value)
+                return value, None, found
+            messages, found = _messages(value)
         else:
             user = render_template(self.template, row, self.spec.on_null)
             if not self.use_chat:
-                return user, None
-            messages = [{"role": "user", "content": user}]
+                if images_count:
+                    raise ValueError("images need the model's chat template, which places "
+                                     "them (prompt.chat is off, or the model has none)")
+                return user, None, found
+            messages = [{"role": "user", "content": user_content(user, images_count)}]
         if self.spec.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.spec.system})
-        return None, messages
+        return None, messages, found
 
-    def render_messages(self, row: dict) -> list[dict]:
+    def render_messages(self, row: dict, images_count: int = 0) -> list[dict]:
         """The row as chat messages (a raw prompt as one user message)."""
-        raw, messages = self.prompt(row)
+        raw, messages, _ = self.prompt(row, images_count)
         return messages if raw is None else [{"role": "user", "content": raw}]
 
-    def render_text(self, row: dict) -> str:
-        """The prompt as the engine will see it, before tokenization."""
-        return self._text(*self.prompt(row))
+    def render_text(self, row: dict, images_count: int = 0) -> str:
+        """The prompt as the engine will see it, before tokenization (an image as the chat
+        template's placeholder, which the engine expands into the image's tokens)."""
+        return self._text(*self.prompt(row, images_count)[:2])
 
     def _text(self, raw: str | None, messages: list[dict] | None) -> str:
         if raw is not None:
@@ -284,19 +374,21 @@ class PromptRenderer:
         # change the prompt from what vLLM's chat path sends.
         return self.tokenizer.encode(text, add_special_tokens=not chat)
 
-    def render_row(self, row: dict, max_tokens: int | None = None):
+    def render_row(self, row: dict, max_tokens: int | None = None, found=None):
         """-> (token ids to generate from or None, prompt length, finish_reason, error_kind,
-        error) for one row; ``max_tokens``: the row's own, when lower than the job's."""
-        text = self._render_text(row)
+        error) for one row; ``max_tokens``: the row's own, when lower than the job's;
+        ``found``: its images (images_of)."""
+        text = self._render_text(row, found)
         if isinstance(text, tuple):  # the row cannot become a prompt
             return text
         try:
             ids = self.tokenize(*text)
         except Exception as exc:  # noqa: BLE001 - a text the tokenizer refuses: the row's
             return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
-        return self._fit(ids, max_tokens)
+        return self._placed(ids, found) or self._fit(ids, max_tokens)
 
-    def render_rows(self, rows: list[dict], caps: list[int | None]) -> list[tuple]:
+    def render_rows(self, rows: list[dict], caps: list[int | None],
+                    found: list[list[dict] | str] | None = None) -> list[tuple]:
         """``render_row`` of each row, the texts tokenized in one batch call. A fast
         tokenizer's batch call releases the GIL while it runs (and may use spare cores): the
         engine's own thread in this process is not held up behind a block's rendering, which
@@ -304,7 +396,8 @@ class PromptRenderer:
         (``render_row``) keeps it."""
         if type(self).render_row is not PromptRenderer.render_row:
             return [self.render_row(row, cap) for row, cap in zip(rows, caps)]
-        results: list = [self._render_text(row) for row in rows]
+        found = found or [None] * len(rows)
+        results: list = [self._render_text(row, images) for row, images in zip(rows, found)]
         for chat in (True, False):
             todo = [i for i, r in enumerate(results) if isinstance(r, list) and r[1] is chat]
             if not todo:
@@ -314,9 +407,44 @@ class PromptRenderer:
             except Exception:  # noqa: BLE001 - one text the tokenizer refuses: row by row
                 encoded = [None] * len(todo)
             for i, ids in zip(todo, encoded):
-                results[i] = (self._fit(ids, caps[i]) if ids is not None
-                              else self.render_row(rows[i], caps[i]))
+                results[i] = (self._placed(ids, found[i]) or self._fit(ids, caps[i])
+                              if ids is not None else self.render_row(rows[i], caps[i], found[i]))
         return results
+
+    def _placed(self, ids: list[int], found) -> tuple | None:
+        """None where the prompt's token ids hold one image placeholder per image; else the
+        row's image_error. A row's text holding the model's own image token (``<image>``)
+        would take an image's place, or leave one without a place (vLLM then fails)."""
+        if not isinstance(found, list) or not found:
+            return None
+        run = self._placeholder()
+        if not run:
+            return None
+        held = sum(1 for i in range(len(ids) - len(run) + 1) if ids[i:i + len(run)] == run)
+        if held == len(found):
+            return None
+        token = self.tokenizer.decode(run).strip()
+        return (None, len(ids), None, ErrorKind.IMAGE,
+                f"the prompt holds {held} image placeholders ({token!r}) for {len(found)} "
+                f"image(s): the row's text holds the model's image token, which is not "
+                "allowed in a text")
+
+    def _placeholder(self) -> list[int]:
+        """The token ids the chat template writes for one image: found once, by rendering a
+        message with and without an image part."""
+        if getattr(self, "_image_run", None) is None:
+            def ids(content):
+                return self.tokenize(self._text(None, [{"role": "user", "content": content}]),
+                                     False)
+
+            text = {"type": "text", "text": "x"}
+            a, b = ids([{"type": "image"}, text]), ids([text])
+            head = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            tail = 0
+            while tail < len(b) - head and a[len(a) - 1 - tail] == b[len(b) - 1 - tail]:
+                tail += 1
+            self._image_run = a[head:len(a) - tail]
+        return self._image_run
 
     def tokenize_batch(self, texts: list[str], chat: bool) -> list[list[int]]:
         """``tokenize`` of each text, in one call: the same ids."""
@@ -332,9 +460,13 @@ class PromptRenderer:
             return [e.ids for e in encode(texts, add_special_tokens=not chat)]
         return self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
 
-    def _render_text(self, row: dict):
+    def _render_text(self, row: dict, found: list[dict] | str | None = None):
         """[the prompt's text, whether it is chat] for a row, or the row's result (a tuple, as
-        ``render_row``'s) when it cannot become a prompt (a null, a template that fails)."""
+        ``render_row``'s) when it cannot become a prompt (a null, a template that fails, an
+        image column that holds no image). ``found``: the row's image sources (images_of)."""
+        if isinstance(found, str):
+            return None, None, None, ErrorKind.IMAGE, found
+        count = self.images_count(found)
         nulls = [name for name, value in row.items() if value is None]
         if nulls:
             if self.spec.on_null == "error":
@@ -342,8 +474,11 @@ class PromptRenderer:
                         f"column {nulls[0]!r} is null in this row")
             row = self.fill_nulls(row)
         try:
-            raw, messages = self.prompt(row)
-            return [self._text(raw, messages), raw is None]
+            raw, messages, _ = self.prompt(row, count)
+            # vLLM's chat path tokenizes a multimodal model's prompt with its special tokens
+            # added (its processor's default), a text model's without
+            images = bool(self.image_columns) or bool(found)
+            return [self._text(raw, messages), raw is None and not images]
         except NullValue as exc:  # a null inside a column, printed: as a column's null
             return None, None, None, ErrorKind.NULL_FIELD, str(exc)
         except Exception as exc:  # a template error on this row's values: the row's problem

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Sequence
 
+from udfs import images
+from udfs.columns import ErrorKind
 from udfs.engine import EngineSpec, GenerationRequest, GenerationResult, token_logprob
 from udfs.engine import one_line as _one_line
 
@@ -159,7 +161,14 @@ class VLLMEngine:
         )
 
     def _prompt(self, req: GenerationRequest):
-        return self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+        prompt = self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+        if req.images:
+            # decoded here, as the engine takes the request: a job holds the decoded images
+            # of the requests being added, not a block's; vLLM's processor expands each
+            # placeholder of the token ids into its image's tokens, as its chat path does
+            prompt["multi_modal_data"] = {"image": [images.load(source, req.image_spec)
+                                                    for source in req.images]}
+        return prompt
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Thread-safe: several blocks may be in flight at once, all fed to one engine."""
@@ -386,7 +395,12 @@ class _Stepper:
                 request_id, engine._prompt(request), params,
                 lora_request=engine.adapters[request.adapter] if request.adapter else None)
         except engine._request_errors as exc:  # this request only: a row error
-            batch.set(index, GenerationResult(None, None, None, error=_one_line(exc)))
+            if isinstance(exc, images.ImageError):  # one of its images cannot be used
+                result = GenerationResult(None, None, None, error=str(exc),
+                                          error_kind=ErrorKind.IMAGE)
+            else:
+                result = GenerationResult(None, None, None, error=_one_line(exc))
+            batch.set(index, result)
             self.requests_done += 1
             self.cap_finished += request.max_tokens
             return
@@ -459,6 +473,8 @@ def _result(out, top: int | None = None, reasoning: Reasoning | None = None,
         finish_reason=completion.finish_reason,
         completion_tokens=len(completion.token_ids),
         logprobs=None if top is None else _logprobs(completion, top),
+        prompt_tokens=(len(out.prompt_token_ids) if out.prompt_token_ids is not None
+                       else None),
     )
     return result if reasoning is None else reasoning.split(
         result, out.prompt_token_ids, completion, chat_template_kwargs)

@@ -116,11 +116,34 @@ class PromptConfig(_Strict):
         None, description="A column naming each row's LoRA adapter (one of model.adapters); "
         "null: model.adapter, or the base model. A name the job does not declare is that "
         "row's error (unknown_adapter).")
+    images: list[str] | None = Field(
+        None, description="Columns holding each row's images, for a vision-language model: "
+        "bytes (a binary column, or a struct with bytes and path, as Hugging Face datasets "
+        "writes), a path (local or on an object store; relative to the table's folder), a "
+        "data: URL, or a list of these. They go into the user message before the template's "
+        "text, in this order (a messages_column's image_url parts stand where they are "
+        "instead). An image that cannot be used is that row's image_error.")
+    max_images: int | None = Field(
+        None, ge=1, description="The most images one row's prompt may hold (vLLM's "
+        "limit_mm_per_prompt); default: the number of prompt.images columns, or the most a "
+        "row of the table's first block holds.")
+    max_image_pixels: int = Field(
+        50_000_000, gt=0, description="An image of more pixels (width x height) is its row's "
+        "image_error, as a decompression bomb would be, before it is decoded.")
+    fetch_image_urls: bool = Field(
+        False, description="Fetch images given as http(s) URLs; off, such an image is its "
+        "row's image_error.")
 
     @model_validator(mode="after")
     def _template_or_messages(self) -> PromptConfig:
         if (self.template is None) == (self.messages_column is None):
             raise ValueError("give exactly one of template, messages_column")
+        if self.images is not None:
+            if not self.images or len(set(self.images)) != len(self.images):
+                raise ValueError("prompt.images: a list of distinct column names")
+            if self.messages_column is not None:
+                raise ValueError("prompt.images goes with a template; a messages_column "
+                                 "holds its images as image_url parts")
         return self
 
 

@@ -1,0 +1,248 @@
+"""Images in, text out (prompt.images) through real jobs: vLLM on CPU with a tiny random-weight
+Idefics3 model built here (``overnight tiny-model --vision``). The proof that the images reach
+the model as they should is parity, row for row, with bare vLLM's ``LLM.chat`` given the same
+images as ``data:`` URLs: the same texts and the same prompt tokens (each image's tokens
+counted). Bad images are their rows' ``image_error``; pre-flight refuses a job that cannot take
+images, in one line."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines import load_config, run_job
+from pipelines.errors import ConfigError, InputError
+from pipelines.preflight import plan_job
+
+from conftest import KV_CACHE, job_config
+
+MAX_TOKENS = 8
+TEMPLATE = "Describe {{ title }}."
+
+
+def _image(size, mode, color, fmt: str) -> bytes:
+    from PIL import Image
+
+    image = Image.new(mode, size, color)
+    for x in range(0, size[0], 7):  # a pattern, so images of one size still differ
+        image.putpixel((x, (x * 3) % size[1]), 0 if mode in ("L", "P") else
+                       (255,) * len(mode))
+    out = io.BytesIO()
+    image.save(out, fmt)
+    return out.getvalue()
+
+
+# Formats, modes and sizes: PNG with transparency, palette and grey, JPEG, WebP
+IMAGES = {
+    "red.png": _image((40, 30), "RGBA", (200, 10, 10, 128), "PNG"),
+    "blue.jpg": _image((64, 64), "RGB", (10, 10, 200), "JPEG"),
+    "green.webp": _image((100, 50), "RGB", (10, 200, 10), "WEBP"),
+    "grey.png": _image((33, 47), "L", 90, "PNG"),
+    "palette.png": _image((20, 80), "P", 3, "PNG"),
+}
+
+
+def data_url(name: str) -> str:
+    mime = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}[name.split(".")[-1]]
+    return f"data:{mime};base64,{base64.b64encode(IMAGES[name]).decode()}"
+
+
+@pytest.fixture(scope="session")
+def vision_model(tmp_path_factory) -> str:
+    from pipelines.tiny_model import build_tiny_vision_model
+
+    return str(build_tiny_vision_model(tmp_path_factory.mktemp("vision") / "model"))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("photos")
+    (root / "img").mkdir()
+    for name, data in IMAGES.items():
+        (root / "img" / name).write_bytes(data)
+    return root
+
+
+# Each row's photo (a path relative to the table's folder, an absolute path, or a data: URL)
+# and its back (raw bytes, or null: on_null empty sends the prompt without it)
+def parity_rows(folder) -> list[dict]:
+    names = list(IMAGES)
+    rows = []
+    for i in range(12):
+        name = names[i % len(names)]
+        photo = (f"img/{name}", str(folder / "img" / name), data_url(name))[i % 3]
+        back = IMAGES[names[(i + 2) % len(names)]] if i % 2 else None
+        rows.append({"sku": f"P{i:02d}", "title": f"item {i}", "photo": photo, "back": back,
+                     "photo_name": name,
+                     "back_name": names[(i + 2) % len(names)] if i % 2 else None})
+    return rows
+
+
+def vision_config(model, input_path, output_path, **prompt) -> dict:
+    return job_config(model, input_path, output_path,
+                      input={"id_column": "sku"},
+                      prompt={"system": None, "template": TEMPLATE, **prompt},
+                      sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
+                      resources={"batch_size": 4})
+
+
+@pytest.fixture(scope="module")
+def parity_job(vision_model, folder, ray_cluster):
+    rows = parity_rows(folder)
+    pq.write_table(pa.Table.from_pylist(rows, pa.schema([
+        ("sku", pa.string()), ("title", pa.string()), ("photo", pa.string()),
+        ("back", pa.binary()), ("photo_name", pa.string()), ("back_name", pa.string())])),
+        folder / "table.parquet")
+    config = load_config(vision_config(vision_model, folder / "table.parquet", folder / "out",
+                                       images=["photo", "back"], on_null="empty"))
+    summary = run_job(config)
+    return rows, pl.read_parquet(folder / "out"), summary
+
+
+BARE = """
+import json, sys
+from vllm import LLM, SamplingParams
+job = json.load(open(sys.argv[1]))
+llm = LLM(model=job["model"], dtype="float32", max_model_len=512, enforce_eager=True,
+          kv_cache_memory_bytes=job["kv"], enable_chunked_prefill=False,
+          limit_mm_per_prompt={"image": 2})
+outs = llm.chat(job["conversations"], SamplingParams(temperature=0, max_tokens=job["max_tokens"]))
+json.dump([{"text": o.outputs[0].text, "prompt_tokens": len(o.prompt_token_ids)} for o in outs],
+          open(sys.argv[2], "w"))
+"""
+
+
+def bare_chat(model, conversations, root) -> list[dict]:
+    """Bare vLLM's LLM.chat on ``conversations``, in a process of its own."""
+    job = {"model": model, "kv": KV_CACHE, "max_tokens": MAX_TOKENS,
+           "conversations": conversations}
+    (root / "bare.json").write_text(json.dumps(job))
+    run = subprocess.run([sys.executable, "-c", BARE, str(root / "bare.json"),
+                          str(root / "bare_out.json")], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads((root / "bare_out.json").read_text())
+
+
+def conversation(title: str, *names: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(n)}} for n in names]
+    return [{"role": "user", "content": [*parts, {"type": "text",
+                                                   "text": TEMPLATE.replace("{{ title }}",
+                                                                            title)}]}]
+
+
+def test_image_rows_equal_bare_vllm_chat_row_for_row(parity_job, vision_model, folder):
+    rows, out, summary = parity_job
+    assert out["sku"].to_list() == [r["sku"] for r in rows]
+    assert out["error"].null_count() == len(rows), out["error"].to_list()
+    bare = bare_chat(vision_model, [conversation(r["title"], r["photo_name"],
+                                                 *([r["back_name"]] if r["back_name"] else []))
+                                    for r in rows], folder)
+    assert out["rewritten"].to_list() == [b["text"] for b in bare]
+    assert out["prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare]
+    # two images cost more prompt tokens than one, and the images change what is written
+    one = [t for t, r in zip(out["prompt_tokens"], rows) if r["back"] is None]
+    two = [t for t, r in zip(out["prompt_tokens"], rows) if r["back"] is not None]
+    assert min(two) > max(one)
+    assert len(set(out["rewritten"].to_list())) > 3
+    assert summary.rows == len(rows)
+
+
+# -- bad images: the row's error, never the job's
+
+def _truncated() -> bytes:
+    return IMAGES["blue.jpg"][: len(IMAGES["blue.jpg"]) // 2]
+
+
+def _bomb() -> bytes:
+    return _image((1200, 1000), "L", 0, "PNG")  # 1.2 megapixels, over the job's cap of 1
+
+
+BAD = {
+    "missing": [{"bytes": None, "path": "img/nowhere.png"}],
+    "truncated": [{"bytes": _truncated(), "path": None}],
+    "not an image": [{"bytes": b"just some text, no image", "path": None}],
+    "bomb": [{"bytes": _bomb(), "path": None}],
+    "null": None,
+    "bad data url": [{"bytes": None, "path": "data:image/png;base64,@@@"}],
+    "url not allowed": [{"bytes": None, "path": "http://127.0.0.1:9/cat.png"}],
+}
+BAD_CAUSE = {"missing": "no such file", "truncated": "truncated or corrupt",
+             "not an image": "not an image", "bomb": "over the cap of 1,000,000",
+             "null": "is null in this row", "bad data url": "image",
+             "url not allowed": "fetch_image_urls"}
+
+
+@pytest.fixture(scope="module")
+def bad_job(vision_model, folder, ray_cluster):
+    good = [{"sku": f"G{i}", "title": f"good {i}",
+             "photos": [{"bytes": IMAGES["blue.jpg"], "path": None}] if i % 2 else
+             [{"bytes": None, "path": "img/red.png"}]} for i in range(4)]
+    bad = [{"sku": f"B{i}", "title": case, "photos": value}
+           for i, (case, value) in enumerate(BAD.items())]
+    rows = good + bad
+    kind = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    pq.write_table(pa.Table.from_pylist(rows, pa.schema([("sku", pa.string()),
+                                                         ("title", pa.string()),
+                                                         ("photos", kind)])),
+                   folder / "bad.parquet")
+    config = load_config(vision_config(vision_model, folder / "bad.parquet", folder / "bad_out",
+                                       images=["photos"], max_image_pixels=1_000_000))
+    run_job(config)
+    return rows, pl.read_parquet(folder / "bad_out")
+
+
+def test_each_bad_image_is_its_rows_image_error_and_the_others_are_generated(bad_job):
+    rows, out = bad_job
+    by_sku = {r["sku"]: r for r in out.to_dicts()}
+    for row in rows:
+        got = by_sku[row["sku"]]
+        if row["sku"].startswith("G"):
+            assert got["error"] is None and got["completion_tokens"] > 0, got
+            continue
+        assert got["error_kind"] == "image_error", (row["title"], got)
+        assert BAD_CAUSE[row["title"]] in got["error"], (row["title"], got["error"])
+        assert "\n" not in got["error"] and got["rewritten"] is None
+
+
+# -- pre-flight: one line, before any engine starts
+
+def test_a_model_that_takes_no_images_is_refused_before_any_engine(tiny_model, folder):
+    pq.write_table(pa.Table.from_pylist([{"sku": "a", "title": "x", "photo": "img/red.png"}]),
+                   folder / "one.parquet")
+    config = load_config(vision_config(tiny_model, folder / "one.parquet", folder / "none",
+                                       images=["photo"]))
+    with pytest.raises(ConfigError, match="takes no images"):
+        plan_job(config)
+
+
+def test_a_column_that_cannot_hold_an_image_is_refused(vision_model, folder):
+    pq.write_table(pa.Table.from_pylist([{"sku": "a", "title": "x", "photo": 3}]),
+                   folder / "ints.parquet")
+    config = load_config(vision_config(vision_model, folder / "ints.parquet", folder / "none",
+                                       images=["photo"]))
+    with pytest.raises(InputError, match="'photo' is int64, which cannot hold an image"):
+        plan_job(config)
+    config = load_config(vision_config(vision_model, folder / "ints.parquet", folder / "none",
+                                       images=["picture"]))
+    with pytest.raises(InputError, match="'picture' is not a column"):
+        plan_job(config)
+
+
+def test_more_images_a_row_than_allowed_is_refused(vision_model, folder):
+    pq.write_table(pa.Table.from_pylist([{"sku": "a", "title": "x",
+                                          "photos": ["img/red.png", "img/blue.jpg"]}]),
+                   folder / "two.parquet")
+    config = load_config(vision_config(vision_model, folder / "two.parquet", folder / "none",
+                                       images=["photos"], max_images=1))
+    with pytest.raises(ConfigError, match="prompt.max_images is 1, and a row .* holds 2"):
+        plan_job(config)
