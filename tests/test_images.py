@@ -189,7 +189,8 @@ def bad_job(vision_model, folder, ray_cluster):
              [{"bytes": None, "path": "img/red.png"}]} for i in range(4)]
     bad = [{"sku": f"B{i}", "title": case, "photos": value}
            for i, (case, value) in enumerate(BAD.items())]
-    rows = good + bad
+    rows = good + bad + [{"sku": "T0", "title": "a <image> b",
+                          "photos": [{"bytes": IMAGES["blue.jpg"], "path": None}]}]
     kind = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
     pq.write_table(pa.Table.from_pylist(rows, pa.schema([("sku", pa.string()),
                                                          ("title", pa.string()),
@@ -206,6 +207,8 @@ def test_each_bad_image_is_its_rows_image_error_and_the_others_are_generated(bad
     by_sku = {r["sku"]: r for r in out.to_dicts()}
     for row in rows:
         got = by_sku[row["sku"]]
+        if row["sku"] == "T0":
+            continue  # below
         if row["sku"].startswith("G"):
             assert got["error"] is None and got["completion_tokens"] > 0, got
             continue
@@ -246,3 +249,48 @@ def test_more_images_a_row_than_allowed_is_refused(vision_model, folder):
                                        images=["photos"], max_images=1))
     with pytest.raises(ConfigError, match="prompt.max_images is 1, and a row .* holds 2"):
         plan_job(config)
+
+
+def test_a_text_holding_the_image_token_is_its_rows_image_error(bad_job):
+    _, out = bad_job
+    got = out.filter(pl.col("sku") == "T0").to_dicts()[0]
+    assert got["error_kind"] == "image_error"
+    assert "holds 2 image placeholders ('<image>') for 1 image" in got["error"]
+
+
+# -- Batch files: chat bodies with image_url parts
+
+def test_a_batch_file_with_image_url_parts_gives_the_table_jobs_texts(parity_job, vision_model,
+                                                                      folder):
+    from pipelines.batch import run_batch_file
+
+    rows, out, _ = parity_job
+    lines = [{"custom_id": r["sku"], "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "messages": conversation(r["title"], r["photo_name"],
+                                                *([r["back_name"]] if r["back_name"] else []))}}
+             for r in rows]
+    # detail is accepted, and changes nothing (as in vLLM)
+    lines[0]["body"]["messages"][0]["content"][0]["image_url"]["detail"] = "low"
+    # a path is never read on a request's word: that line's error
+    lines.append({"custom_id": "path", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "m", "max_tokens": 4, "messages": [{"role": "user",
+                           "content": [{"type": "image_url",
+                                        "image_url": {"url": str(folder / "img/red.png")}},
+                                       {"type": "text", "text": "x"}]}]}})
+    requests = folder / "requests.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_batch_file(requests, folder / "results.jsonl", model=vision_model, overrides=[
+        f"engine.kv_cache_memory_bytes={KV_CACHE}", "model.dtype=float32",
+        "model.max_model_len=512", "resources.batch_size=4"])
+    results = {r["custom_id"]: r for r in map(json.loads, (folder / "results.jsonl")
+                                               .read_text().splitlines())}
+    texts = [results[r["sku"]]["response"]["body"]["choices"][0]["message"]["content"]
+             for r in rows]
+    assert texts == out["rewritten"].to_list()
+    assert [results[r["sku"]]["response"]["body"]["usage"]["prompt_tokens"] for r in rows] \
+        == out["prompt_tokens"].to_list()
+    errors = [json.loads(line) for line in (folder / "results.errors.jsonl")
+              .read_text().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["path"]
+    assert "data: URL or an http(s) URL" in errors[0]["error"]["message"]
