@@ -154,7 +154,8 @@ def plan_job(config: JobConfig) -> JobPlan:
         # LoRA: each adapter checked against the model (pipelines/adapters.py)
         **(check_adapters(config.model) if config.model.adapters else {}),
     })
-    if images and "limit_mm_per_prompt" not in config.engine.args:
+    if images and config.engine.kind == "vllm" \
+            and "limit_mm_per_prompt" not in config.engine.args:
         engine_options["args"] = {**engine_options.get("args", {}),
                                   "limit_mm_per_prompt": {"image": images}}
     s = config.sampling
@@ -379,12 +380,13 @@ def _check_images(config: JobConfig, plan: InputPlan) -> int:
     prompts = [p for p in config.prompts() if p.images]
     if not prompts:
         return 0
-    if config.engine.kind != "vllm":
-        raise ConfigError("prompt.images: engine.kind http does not take a table's images "
-                          "yet; run the job on the in-process engine (engine.kind: vllm)")
+    if config.engine.kind == "http" and config.engine.endpoint != "chat":
+        raise ConfigError("prompt.images with engine.kind http needs engine.endpoint: chat "
+                          "(the images go to the server as data: URLs in the chat messages)")
     for prompt in prompts:
         check_image_columns(prompt, plan.schema)
-    check_model_takes_images(config.model.name, config.model.trust_remote_code)
+    if config.engine.kind == "vllm":  # a server's model is the server's to say
+        check_model_takes_images(config.model.name, config.model.trust_remote_code)
     sample = read_block(plan.blocks[0], plan.schema) if plan.blocks else None
     return max(max_images(p, sample) for p in prompts)
 

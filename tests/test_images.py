@@ -294,3 +294,26 @@ def test_a_batch_file_with_image_url_parts_gives_the_table_jobs_texts(parity_job
               .read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["path"]
     assert "data: URL or an http(s) URL" in errors[0]["error"]["message"]
+
+
+# -- a server as the engine: the images go to it as data: URLs
+
+def test_a_server_as_the_engine_gets_each_rows_images_and_writes_the_same_texts(
+        parity_job, vision_model, folder, ray_cluster):
+    from servers import VLLMServer
+
+    rows, out, _ = parity_job
+    server = VLLMServer(vision_model, folder / "server.log", KV_CACHE)
+    server.args += ["--limit-mm-per-prompt", '{"image": 2}']
+    server.start()
+    try:
+        raw = vision_config(vision_model, folder / "table.parquet", folder / "http_out",
+                            images=["photo", "back"], on_null="empty")
+        raw["engine"] = {"kind": "http", "base_url": server.base_url, "endpoint": "chat"}
+        run_job(load_config(raw))
+    finally:
+        server.kill()
+    served = pl.read_parquet(folder / "http_out")
+    assert served["error"].null_count() == len(rows), served["error"].to_list()
+    assert served["rewritten"].to_list() == out["rewritten"].to_list()
+    assert served["prompt_tokens"].to_list() == out["prompt_tokens"].to_list()

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import httpx
 
+from udfs import images
+from udfs.columns import ErrorKind
 from udfs.engine import (EngineSpec, GenerationRequest, GenerationResult, PoolingRequest,
                          PoolingResult, token_logprob)
 from udfs.redact import scrub
@@ -73,7 +75,8 @@ def request_body(options: HTTPOptions, r: GenerationRequest) -> dict:
     body: dict = {"model": r.adapter or options.model, "max_tokens": r.max_tokens,
                   "temperature": r.temperature, "top_p": r.top_p}
     if options.endpoint == "chat":
-        body["messages"] = r.messages
+        body["messages"] = with_images(r.messages, r.images, r.image_spec) if r.images \
+            else r.messages
     else:
         body["prompt"] = r.prompt_token_ids
     if r.seed is not None:
@@ -112,13 +115,29 @@ def request_body(options: HTTPOptions, r: GenerationRequest) -> dict:
     return body
 
 
+def with_images(messages: list[dict], sources: tuple[dict, ...], spec) -> list[dict]:
+    """The messages with each image placeholder part (``{"type": "image"}``, in order) as an
+    ``image_url`` part holding its image's ``data:`` URL, checked first (udfs/images.py): a
+    server is never sent a bad image, nor asked to read a path. ImageError: the row's."""
+    urls = iter([images.data_url(source, spec) for source in sources])
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{"type": "image_url", "image_url": {"url": next(urls)}}
+                       if part.get("type") == "image" else part for part in content]
+        out.append({**message, "content": content})
+    return out
+
+
 def parse_response(endpoint: str, data: dict) -> GenerationResult:
     choice = data["choices"][0]
     text = choice["message"].get("content") if endpoint == "chat" else choice["text"]
     usage = data.get("usage") or {}
     return GenerationResult(text=text or "", finish_reason=choice.get("finish_reason"),
                             completion_tokens=usage.get("completion_tokens"),
-                            logprobs=parse_logprobs(endpoint, choice.get("logprobs")))
+                            logprobs=parse_logprobs(endpoint, choice.get("logprobs")),
+                            prompt_tokens=usage.get("prompt_tokens"))
 
 
 def parse_logprobs(endpoint: str, logprobs: dict | None) -> list[dict] | None:
@@ -229,7 +248,11 @@ class HTTPEngine:
         return await asyncio.gather(*(self._one(r) for r in requests))
 
     async def _one(self, request: GenerationRequest) -> GenerationResult:
-        data, error = await self._post(self.url, request_body(self.options, request))
+        try:
+            body = request_body(self.options, request)
+        except images.ImageError as exc:  # one of its images cannot be used: the row's
+            return GenerationResult(None, None, None, error=str(exc), error_kind=ErrorKind.IMAGE)
+        data, error = await self._post(self.url, body)
         if error is not None:
             return _failed(error)
         try:
