@@ -171,7 +171,8 @@ class StatsBuilder:
     def __init__(self, key_column: str):
         self.key_column = key_column
         self.counts = {"input_rows": 0, "rows": 0, "skipped": 0, "prompt_tokens": 0,
-                       "completion_tokens": 0, "reasoning_tokens": 0}
+                       "completion_tokens": 0, "reasoning_tokens": 0,
+                       columns.IMAGE_COUNT: 0, columns.IMAGE_TOKENS: 0}
         self.errors: dict[str, int] = {}
         self.steps: list[dict] | None = None  # a job with steps: per-step counts
         self.values: dict[str, dict[int, int]] = {"prompt_tokens": {}, "completion_tokens": {}}
@@ -180,7 +181,7 @@ class StatsBuilder:
     def add(self, table: pa.Table) -> None:
         counted = count_part(table, self.key_column)
         for key in self.counts:
-            self.counts[key] += counted[key]
+            self.counts[key] += counted.get(key, 0)  # (image counts: a job with images')
         if counted["steps"] is not None:
             self.steps = add_steps(self.steps or [], counted["steps"])
         for kind, n in json.loads(counted["errors"]).items():

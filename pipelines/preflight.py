@@ -180,6 +180,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         logit_bias=tuple(sorted((s.logit_bias or {}).items())),
         reasoning_column=config.reasoning_column(),
         **adapter_sampling(config, config_prompt),
+        count_images=config.steps is None and bool(config_prompt.images),
     )
     kind = config.engine.kind
     if pooling is not None and kind == "vllm":

@@ -102,6 +102,9 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
         report["reasoning"] = {"reasoning_tokens": thinking, "answer_tokens": out - thinking,
                                "no_answer_rows": no_answer,
                                "no_answer_share": round(no_answer / rows, 4) if rows else 0.0}
+    if (config.get("prompt") or {}).get("images"):  # the images the prompts held
+        report["images"] = {"images": sum(f.get(columns.IMAGE_COUNT, 0) for f in stats),
+                            "image_tokens": sum(f.get(columns.IMAGE_TOKENS, 0) for f in stats)}
     if (config.get("model") or {}).get("adapters"):
         report["adapters"] = adapter_counts(output, config)
     report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
@@ -418,6 +421,12 @@ def report_lines(report: dict) -> list[str]:
         lines.append(f"reasoning    {r['reasoning_tokens']:,} thinking tokens{share}, "
                      f"{r['answer_tokens']:,} answer; {r['no_answer_rows']:,} rows without an "
                      f"answer ({r['no_answer_share']:.1%})")
+    i = report.get("images")
+    if i:
+        share = (f" ({i['image_tokens'] / tok['prompt']['total']:.0%} of the tokens in)"
+                 if tok["prompt"]["total"] else "")
+        lines.append(f"images       {i['images']:,} images, {i['image_tokens']:,} "
+                     f"tokens{share}")
     for name, a in (report.get("adapters") or {}).items():
         lines.append(f"adapter      {name}: {a['rows']:,} rows, {a['prompt_tokens']:,} prompt "
                      f"+ {a['completion_tokens']:,} output tokens")

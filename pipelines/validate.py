@@ -55,7 +55,9 @@ class ValidationReport:
         if self.lengths:
             out.append("prompt tokens: " + ", ".join(
                 f"p{int(q * 100)} {self.percentile(q)}" for q in (0.5, 0.9, 0.99))
-                + f", max {max(self.lengths)}")
+                + f", max {max(self.lengths)}"
+                + (" (the text's; the engine adds each image's tokens)"
+                   if p.render.images is not None and p.render.images.columns else ""))
         if self.skipped:
             out.append(f"will skip: {self.skipped} rows (prompt too long, on_too_long: skip)")
         for kind, n in self.errors.most_common():
@@ -108,9 +110,14 @@ def validate_job(config: JobConfig) -> ValidationReport:
         if len(report.samples) < EXAMPLES:
             # rows that rendered: a row with an error shows above, among "will fail"
             ok = table.column(columns.PROMPT_TOKENS).is_valid()
-            rows = table.filter(ok).select(renderer.variables).to_pylist()
-            for row in rows[: EXAMPLES - len(report.samples)]:
-                report.samples.append(renderer.render_text(renderer.fill_nulls(row)))
+            shown = table.filter(ok)
+            rows = shown.select(renderer.variables).to_pylist()
+            images = (shown.column(columns.PROMPT_IMAGES).to_pylist()
+                      if columns.PROMPT_IMAGES in shown.column_names else [None] * len(rows))
+            for row, found in list(zip(rows, images))[: EXAMPLES - len(report.samples)]:
+                # each image as the chat template's placeholder, which the engine expands
+                report.samples.append(renderer.render_text(renderer.fill_nulls(row),
+                                                           renderer.images_count(found)))
     report.reuse = _reuse_line(plan)
     return report
 

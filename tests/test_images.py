@@ -157,6 +157,22 @@ def test_image_rows_equal_bare_vllm_chat_row_for_row(parity_job, vision_model, f
     assert summary.rows == len(rows)
 
 
+def test_the_output_and_the_report_count_the_images_and_their_tokens(parity_job, folder):
+    from pipelines.report import load_report, report_lines
+
+    rows, out, _ = parity_job
+    assert out.columns[-9:] == ["rewritten", "finish_reason", "prompt_tokens",
+                                "completion_tokens", "image_count", "image_tokens",
+                                "error_kind", "error", "request_key"]
+    assert out["image_count"].to_list() == [1 + (r["back"] is not None) for r in rows]
+    # the tiny model's image is 7 tokens (image splitting off), whatever its size
+    assert out["image_tokens"].to_list() == [7 * n for n in out["image_count"]]
+    report = load_report(str(folder / "out"))
+    assert report["images"] == {"images": sum(out["image_count"]),
+                                "image_tokens": sum(out["image_tokens"])}
+    assert any(line.startswith("images ") for line in report_lines(report))
+
+
 # -- bad images: the row's error, never the job's
 
 def _truncated() -> bytes:

@@ -26,6 +26,10 @@ REASONING_TOKENS = "reasoning_tokens"
 # job's settings that do, and the row's values its prompt reads); a re-run with output.reuse
 # carries over the rows whose key it finds in the earlier output (pipelines/reuse.py)
 REQUEST_KEY = "request_key"
+# A job with prompt.images: how many images the row's prompt held, and the prompt tokens they
+# took (the engine's count of the prompt, less its text's), after completion_tokens
+IMAGE_COUNT = "image_count"
+IMAGE_TOKENS = "image_tokens"
 
 # Internal: the row's 0-based position in the whole input, across files. Orders the output
 # and names the parts, so a resumed job knows which rows are done without reading them.

@@ -67,6 +67,8 @@ class SamplingSpec:
     adapters: tuple[str, ...] = ()
     adapter: str | None = None
     adapter_column: str | None = None
+    # prompt.images in a one-step job: each row's image count and image tokens as columns
+    count_images: bool = False
 
 
 class RowOverrides(BaseModel):
@@ -345,6 +347,8 @@ class Predictor:
                     kinds[i] = ErrorKind.NO_ANSWER
                     errors[i] = no_answer(result, self.sampling.budget_key)
         if prompt_tokens is not None:
+            if self.sampling.count_images:
+                batch = self._image_counts(batch, images, prompt_tokens)
             batch = batch.set_column(batch.schema.get_field_index(columns.PROMPT_TOKENS),
                                      columns.PROMPT_TOKENS, pa.array(prompt_tokens, pa.int64()))
         batch = batch.drop_columns([c for c in (columns.PROMPT_TOKEN_IDS, columns.PROMPT_MESSAGES,
@@ -374,6 +378,20 @@ class Predictor:
                 .append_column(columns.COMPLETION_TOKENS, pa.array(completion, pa.int64()))
                 .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
                 .append_column(columns.ERROR, pa.array(errors, pa.string())))
+
+    def _image_counts(self, batch: pa.Table, images: list, engine_counts: list) -> pa.Table:
+        """The image_count and image_tokens columns: a row's images, and the tokens the engine
+        counted in its prompt beyond the rendered text's (each image's placeholder there
+        replaced by the image's tokens); null where the engine did not take the row."""
+        rendered = batch.column(columns.PROMPT_TOKENS).to_pylist()
+        per_image = len(self.renderer._placeholder()) if self.renderer is not None else 0
+        count = [len(found) if found is not None else None for found in images]
+        tokens = [engine - text + n * per_image
+                  if found and engine is not None and text is not None and engine != text
+                  else (0 if found is not None and not found else None)
+                  for found, n, engine, text in zip(images, count, engine_counts, rendered)]
+        return (batch.append_column(columns.IMAGE_COUNT, pa.array(count, pa.int32()))
+                .append_column(columns.IMAGE_TOKENS, pa.array(tokens, pa.int64())))
 
     def _overrides(self, batch: pa.Table) -> tuple[list[dict], dict[int, str]]:
         """Each row's sampling overrides, and the rows whose overrides are not valid (they

@@ -262,6 +262,9 @@ class JobConfig(_Strict):
         if self.reasoning_column() is not None:  # the thinking after the answer's columns
             added.insert(added.index(columns.FINISH_REASON), self.reasoning_column())
             added.insert(added.index(columns.COMPLETION_TOKENS) + 1, columns.REASONING_TOKENS)
+        if self.prompt.images:  # before error_kind: after the token counts
+            at = added.index(columns.ERROR_KIND)
+            added[at:at] = [columns.IMAGE_COUNT, columns.IMAGE_TOKENS]
         for scores in (self.confidence_column(), self.logprobs_column()):
             if scores is not None:
                 added.insert(added.index(columns.FINISH_REASON), scores)

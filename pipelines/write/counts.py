@@ -34,7 +34,8 @@ def _timing(block: pa.Table) -> dict:
 
 COUNTED = [columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,
            columns.COMPLETION_TOKENS]
-COUNTED_IF_PRESENT = (columns.REASONING_TOKENS,)  # a job with a reasoning parser's
+# a job with a reasoning parser's; a job with images'
+COUNTED_IF_PRESENT = (columns.REASONING_TOKENS, columns.IMAGE_COUNT, columns.IMAGE_TOKENS)
 
 
 def summarize_part(path: Location, key_column: str) -> dict:
@@ -74,6 +75,9 @@ def count_part(part: pa.Table, key_column: str) -> dict:
         # a thinking model's: the output tokens it spent thinking
         "reasoning_tokens": (pc.sum(part.column(columns.REASONING_TOKENS)).as_py() or 0
                              if columns.REASONING_TOKENS in part.column_names else 0),
+        # a job with images: the images its rows' prompts held, and their tokens
+        **{name: pc.sum(part.column(name)).as_py() or 0
+           for name in (columns.IMAGE_COUNT, columns.IMAGE_TOKENS) if name in part.column_names},
         # a job with steps: the tokens its steps generated (a row's own columns count its
         # fan-out parent's again, and dropped rows are not in the part)
         **({"prompt_tokens": sum(s["prompt_tokens"] for s in steps["steps"]),
