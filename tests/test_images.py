@@ -333,3 +333,32 @@ def test_a_server_as_the_engine_gets_each_rows_images_and_writes_the_same_texts(
     assert served["error"].null_count() == len(rows), served["error"].to_list()
     assert served["rewritten"].to_list() == out["rewritten"].to_list()
     assert served["prompt_tokens"].to_list() == out["prompt_tokens"].to_list()
+
+
+# -- a job of steps: a later step sees the earlier step's text, and the image again
+
+def test_a_later_step_sees_the_earlier_steps_text_and_the_image_again(parity_job, vision_model,
+                                                                       folder):
+    rows, out, _ = parity_job
+    raw = vision_config(vision_model, folder / "table.parquet", folder / "steps_out")
+    del raw["prompt"], raw["sampling"]
+    raw["output"].pop("column")
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+    raw["steps"] = [
+        {"name": "describe", "column": "described", "sampling": greedy,
+         "prompt": {"images": ["photo", "back"], "on_null": "empty", "template": TEMPLATE}},
+        {"name": "check", "column": "checked", "sampling": greedy,
+         "prompt": {"images": ["photo"], "template": "Does it match? {{ described }}"}}]
+    run_job(load_config(raw))
+    steps = pl.read_parquet(folder / "steps_out")
+    assert steps["error"].null_count() == len(rows), steps["error"].to_list()
+    # the first step is the one-step job, row for row
+    assert steps["described"].to_list() == out["rewritten"].to_list()
+    # the second: bare LLM.chat on the photo again and the first step's text
+    conversations = [[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(r["photo_name"])}},
+        {"type": "text", "text": f"Does it match? {described}"}]}]
+        for r, described in zip(rows, steps["described"])]
+    bare = bare_chat(vision_model, conversations, folder)
+    assert steps["checked"].to_list() == [b["text"] for b in bare]
+    assert steps["checked_prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare]
