@@ -191,6 +191,9 @@ def test_ray_blocks_are_whole_plan_blocks_large_for_large_jobs_and_many_for_smal
     per = ray_block_rows(100_000, 256, 4)
     assert per % 256 == 0 and -(-100_000 // per) >= 4 * ROUNDS
     assert ray_block_rows(10_000_000, 8192, 4) == 8192  # never less than one plan block
+    # rows of ~1 MB (a column of photos): ~64 MiB a block, a whole number of plan blocks
+    assert ray_block_rows(10_000_000, 16, 4, row_bytes=1 << 20) == 64
+    assert ray_block_rows(10_000_000, 256, 4, row_bytes=1 << 20) == 256
 
 
 def test_the_engine_stage_cuts_ray_blocks_back_into_plan_blocks():

@@ -38,6 +38,9 @@ def _jsonl_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
 
 
 UNIT_ROWS = 16_384  # rows a read task covers at least (then up to its row group's end)
+# ... or fewer, where its rows are large (a column of photos): a read task's output is held
+# whole before Ray Data cuts it into blocks, so a unit of 16,384 rows of 1 MB photos held 16 GB
+UNIT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -136,9 +139,9 @@ class TableDatasource(Datasource):
     """One read task per read unit; every block it emits carries its rows' ordinals."""
 
     def __init__(self, blocks: list[Block], schema: pa.Schema,
-                 only_rows: dict[int, list[int]] | None = None):
+                 only_rows: dict[int, list[int]] | None = None, unit_rows: int = UNIT_ROWS):
         super().__init__()
-        self.units, self.schema = read_units(blocks), schema
+        self.units, self.schema = read_units(blocks, unit_rows), schema
         self.only_rows = only_rows or {}
 
     def estimate_inmemory_data_size(self):
@@ -178,11 +181,13 @@ def read_dataset(plan: InputPlan, skip_blocks: frozenset[int] = frozenset(),
         return None, block_rows
     rows = sum(len(only_rows[b.ordinal]) if only_rows and b.ordinal in only_rows
                else b.num_rows for b in todo)
-    per_block = ray_block_rows(rows, block_rows, slots)
+    per_row = plan.data_bytes / max(plan.num_rows, 1)
+    per_block = ray_block_rows(rows, block_rows, slots, per_row)
     # Reading is light: a fraction of a CPU, so it never starves the engine on a small machine.
     # One task per read unit; asking for this many output blocks makes Ray Data cut each
     # unit's output into pieces of about ``per_block`` rows.
-    ds = ray.data.read_datasource(TableDatasource(todo, plan.schema, only_rows),
+    unit_rows = max(1, min(UNIT_ROWS, int(UNIT_BYTES // max(per_row, 1))))
+    ds = ray.data.read_datasource(TableDatasource(todo, plan.schema, only_rows, unit_rows),
                                   num_cpus=0.25, override_num_blocks=-(-rows // per_block))
     options = ds.context.execution_options  # this dataset's own (a copy of the session's)
     options.resource_limits = options.resource_limits.min(ExecutionResources.for_limits(

@@ -8,6 +8,7 @@ from pipelines.read.scan import InputPlan
 
 
 RAY_BLOCK_ROWS = 4096  # rows a Ray Data block carries, at most, once a job is large enough
+RAY_BLOCK_BYTES = 64 << 20  # ... and bytes, about, where rows are large (a column of photos)
 ROUNDS = 8  # Ray Data blocks per engine slot, at least: the job's tail waits on one at most
 READ_AHEAD_MIN = 256 << 20  # bytes of input read ahead of the engines, at least
 READ_AHEAD_BLOCKS = 4  # Ray Data blocks read ahead per engine slot, at least
@@ -46,7 +47,7 @@ def blocks_at_once(blocks_in_flight: int, batch_size: int, block_rows: int,
     return max(blocks_in_flight, min(scaled, blocks))
 
 
-def ray_block_rows(rows: int, block_rows: int, slots: int) -> int:
+def ray_block_rows(rows: int, block_rows: int, slots: int, row_bytes: float = 0) -> int:
     """The rows of a Ray Data block, a whole number of the plan's blocks.
 
     A plan's block (``resources.batch_size`` rows) is the engine's unit of work and the
@@ -56,5 +57,8 @@ def ray_block_rows(rows: int, block_rows: int, slots: int) -> int:
     a large job moves ~4,096-row blocks, and a small one keeps ``ROUNDS`` of them per slot:
     every engine has work, and the blocks left at the end are short."""
     per_slot = rows // (max(slots, 1) * ROUNDS)
-    blocks = max(1, min(per_slot // block_rows, RAY_BLOCK_ROWS // block_rows))
+    most = RAY_BLOCK_ROWS
+    if row_bytes > 0:  # large rows: ~RAY_BLOCK_BYTES a block (a block of 4,096 photos: 4 GB)
+        most = min(most, int(RAY_BLOCK_BYTES // row_bytes))
+    blocks = max(1, min(per_slot // block_rows, most // block_rows))
     return blocks * block_rows
