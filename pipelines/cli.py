@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--retention-days", type=float, help="remove a finished batch's "
                        "folder and its output and error files this many days after it "
                        "ends (default: keep them)")
+    serve.add_argument("--completion-window-s", type=float, default=86400,
+                       help="seconds a batch may take from its creation (the hosted API's "
+                       "completion_window, 24h); past it the batch is expired, with the "
+                       "results done so far delivered")
 
     status = sub.add_parser("status", help="how far a job got: rows done, left, errors")
     status.add_argument("output", help="the job's output.path")
@@ -193,7 +197,8 @@ def cmd_serve(args) -> int:
                         data_dir=args.data_dir, host=args.host, port=args.port,
                         max_upload_mb=args.max_upload_mb,
                         served_model_name=args.served_model_name,
-                        retention_days=args.retention_days), keys)
+                        retention_days=args.retention_days,
+                        completion_window_s=args.completion_window_s), keys)
     return 0
 
 

@@ -43,7 +43,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 def create_app(store: Store, runner: Runner, *, owners: set[str],
-               max_upload_bytes: int) -> FastAPI:
+               max_upload_bytes: int, window_s: float = WINDOW) -> FastAPI:
     """``owners``: the accepted keys as the store records them (``Store.owner_of``)."""
     app = FastAPI(title="overnight serve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -147,7 +147,7 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
             raise APIError(400, "We could not parse the JSON body of your request.") from None
         if not isinstance(params, dict):
             raise APIError(400, "The request body must be a JSON object.")
-        batch = _new_batch(store, request.state.owner, params, runner.served_model)
+        batch = _new_batch(store, request.state.owner, params, runner.served_model, window_s)
         await run_in_threadpool(_stage_input, store, batch)
         store.add_batch(request.state.owner, batch)
         runner.wake()
@@ -231,7 +231,8 @@ def _is_page(path: str) -> bool:
     return path == "/ui" or path.startswith("/ui/batches/") or path.startswith("/static/")
 
 
-def _new_batch(store: Store, owner: str, params: dict, model: str) -> dict:
+def _new_batch(store: Store, owner: str, params: dict, model: str,
+               window_s: float = WINDOW) -> dict:
     for key in ("input_file_id", "endpoint", "completion_window"):
         if not params.get(key):
             raise APIError(400, f"Missing required parameter: '{key}'.", param=key,
@@ -263,7 +264,7 @@ def _new_batch(store: Store, owner: str, params: dict, model: str) -> dict:
         "id": new_id("batch_"), "object": "batch", "endpoint": params["endpoint"],
         "errors": None, "input_file_id": input_file["id"], "completion_window": "24h",
         "status": "validating", "output_file_id": None, "error_file_id": None,
-        "created_at": now, "in_progress_at": None, "expires_at": now + WINDOW,
+        "created_at": now, "in_progress_at": None, "expires_at": now + max(1, int(window_s)),
         "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
         "cancelling_at": None, "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0},

@@ -97,9 +97,9 @@ class Runner:
             self.store.update_batch(batch_id, only_if=("validating",), status="failed",
                                     failed_at=now, errors=checked.as_errors(),
                                     request_counts=counts)
-        else:
+        else:  # queued: in_progress as OpenAI names it, in_progress_at once it starts
             self.store.update_batch(batch_id, only_if=("validating",), status="in_progress",
-                                    in_progress_at=now, request_counts=counts)
+                                    request_counts=counts)
         self._run_wake.set()
 
     # -- the queue ---------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class Runner:
     def _run_loop(self) -> None:
         while True:
             self._housekeeping()
-            queue = self.store.batches_in("in_progress")
+            queue = [b for b in self.store.batches_in("in_progress") if not self._expired(b)]
             if queue:
                 self._guard(queue[0], self._run, queue[0])
                 continue
@@ -122,6 +122,24 @@ class Runner:
                 self._guard(batch_id, self._finish_cancel, batch_id)
         for batch_id in self.store.batches_in("finalizing"):
             self._guard(batch_id, self._finalize, batch_id, "completed")
+
+    def _expired(self, batch_id: str, child: subprocess.Popen | None = None) -> bool:
+        """True, and the batch expired with the results done so far (as the hosted API does),
+        once its completion window has passed; its job stopped first."""
+        batch = self.store.get_batch(None, batch_id)
+        if batch is None or batch["status"] != "in_progress" \
+                or time.time() < (batch.get("expires_at") or float("inf")):
+            return False
+        if child is not None:
+            _stop(child)
+            self.store.set_child(batch_id, None)
+        self._guard(batch_id, self._expire, batch_id)
+        return True
+
+    def _expire(self, batch_id: str) -> None:
+        _stop_stale_child(self.store, batch_id)
+        self._deliver(batch_id)
+        self._finalize(batch_id, "expired", only_if=("in_progress",))
 
     def _guard(self, batch_id: str, step, *args) -> None:
         """A step that fails on a server bug ends its batch, not the queue: cancelled if the
@@ -149,8 +167,12 @@ class Runner:
         if len(deaths) >= ATTEMPTS:  # given up before a restart, not yet delivered
             self._give_up(batch_id, deaths)
             return
+        self.store.update_batch(batch_id, only_if=("in_progress",), in_progress_at=int(
+            self.store.get_batch(None, batch_id).get("in_progress_at") or time.time()))
         child = self._launch(batch_id, folder)
         while child.poll() is None:
+            if self._expired(batch_id, child):
+                return
             if self.store.get_batch(None, batch_id)["status"] == "cancelling":
                 _stop(child)
                 self.store.set_child(batch_id, None)

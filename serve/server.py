@@ -33,6 +33,7 @@ class ServeSettings:
     max_upload_bytes: int = 200 << 20  # the hosted API's limit for a batch input file
     served_model_name: str = ""  # the ``model`` batches and results give; "": the dir's name
     retention_days: float | None = None  # finished batches' data kept this long (None: kept)
+    completion_window_s: float = 86400  # a batch unfinished this long after its creation expires
 
     @property
     def served_model(self) -> str:
@@ -64,7 +65,8 @@ def read_keys(keys_file: str | None, environ=os.environ) -> list[str]:
 def load_settings(*, config: str | None, model: str | None, overrides: list[str],
                   data_dir: str, host: str, port: int, max_upload_mb: float,
                   served_model_name: str | None = None,
-                  retention_days: float | None = None) -> ServeSettings:
+                  retention_days: float | None = None,
+                  completion_window_s: float = 86400) -> ServeSettings:
     raw: dict = {}
     if config:
         try:
@@ -79,11 +81,15 @@ def load_settings(*, config: str | None, model: str | None, overrides: list[str]
         raise ConfigError("serve: no model; give --model, or a --config with model.name")
     if retention_days is not None and not retention_days > 0:
         raise ConfigError(f"serve: --retention-days {retention_days}: must be more than 0")
+    if not completion_window_s > 0:
+        raise ConfigError(f"serve: --completion-window-s {completion_window_s}: must be more "
+                          "than 0")
     return ServeSettings(data_dir=Path(data_dir).resolve(), model=model, config=raw,
                          overrides=list(overrides), host=host, port=port,
                          max_upload_bytes=int(max_upload_mb * (1 << 20)),
                          served_model_name=served_model_name or "",
-                         retention_days=retention_days)
+                         retention_days=retention_days,
+                         completion_window_s=completion_window_s)
 
 
 SWEEP_EVERY = 600  # seconds between looks for finished batches' data past the retention
@@ -129,7 +135,8 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
     runner = Runner(store, model=settings.model, config=config_path,
                     overrides=settings.overrides, served_model=settings.served_model)
     app = create_app(store, runner, owners={store.owner_of(k) for k in keys},
-                     max_upload_bytes=settings.max_upload_bytes)
+                     max_upload_bytes=settings.max_upload_bytes,
+                     window_s=settings.completion_window_s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     runner.start()
     threading.Thread(target=_sweep_loop, args=(store, settings.retention_days),

@@ -56,8 +56,8 @@ class Server:
     """``overnight serve`` as a child process, on a free port; started again on the same
     data directory and port after a kill."""
 
-    def __init__(self, root: Path, tiny_model: str):
-        self.root, self.port = root, _free_port()
+    def __init__(self, root: Path, tiny_model: str, *args: str):
+        self.root, self.port, self.args = root, _free_port(), list(args)
         (root / "keys.txt").write_text(f"# test keys\n{KEY}\n{OTHER_KEY}\n")
         # what a batch needs on this machine (see tests/test_batch.py); blocks of 512 rows
         (root / "job.yaml").write_text(json.dumps({
@@ -72,7 +72,8 @@ class Server:
             [sys.executable, "-m", "pipelines.cli", "serve", "--config",
              str(self.root / "job.yaml"), "--data-dir", str(self.root / "data"), "--port",
              str(self.port), "--api-keys-file", str(self.root / "keys.txt"),
-             "--max-upload-mb", "8"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+             "--max-upload-mb", "8", *self.args], cwd=REPO, stdout=log,
+            stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log()
@@ -139,7 +140,10 @@ def some_done(client: openai.OpenAI, batch_id: str, timeout: float = 300):
 def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
-    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+    # JSON Lines end at "\n" only: a generated text may hold U+2028 or U+0085, which
+    # str.splitlines() would also split at
+    return [json.loads(line) for line in client.files.content(file_id).text.split("\n")
+            if line]
 
 
 def error_of(exc: openai.APIStatusError) -> dict:
@@ -606,3 +610,41 @@ def test_a_batch_whose_job_dies_runs_again_from_its_parts_then_fails_with_them(s
     assert len(ids) == len(set(ids)) == final.request_counts.completed
     assert final.request_counts.completed >= before.request_counts.completed > 0
     assert all(r["response"]["status_code"] == 200 for r in results)
+
+
+WINDOW_S = 150  # long enough for a cold job's first parts here, far shorter than its tail
+
+
+def test_a_batch_past_its_window_expires_with_its_done_part_and_a_queued_one_never_starts(
+        tiny_model, tmp_path):
+    """A server whose batches have WINDOW_S seconds (--completion-window-s): a long batch
+    runs, commits its fast head, and expires with those results delivered; a batch queued
+    behind it is in_progress without in_progress_at (not started) until it expires too."""
+    server = Server(tmp_path, tiny_model, "--completion-window-s", str(WINDOW_S))
+    server.start()
+    try:
+        client = server.client()
+        long = client.files.create(file=long_file(tmp_path / "long.jsonl", "x", 20_000, 400),
+                                   purpose="batch")
+        short = client.files.create(file=request_file(tmp_path / "short.jsonl", 3, 4, "q"),
+                                    purpose="batch")
+        first = client.batches.create(input_file_id=long.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        queued = client.batches.create(input_file_id=short.id,
+                                       endpoint="/v1/chat/completions", completion_window="24h")
+        assert first.expires_at - first.created_at == WINDOW_S
+        running = some_done(client, first.id, timeout=WINDOW_S)
+        assert running.in_progress_at is not None
+        waiting = client.batches.retrieve(queued.id)
+        assert waiting.status == "in_progress" and waiting.in_progress_at is None, waiting
+        final = wait(client, first.id, timeout=WINDOW_S + 120)[-1]
+        assert final.status == "expired" and final.expired_at >= final.expires_at, final
+        done = final.request_counts.completed
+        assert 0 < running.request_counts.completed <= done < FAST + 20_000
+        ids = [r["custom_id"] for r in lines_of(client, final.output_file_id)]
+        assert len(ids) == done == len(set(ids))
+        other = wait(client, queued.id, timeout=60)[-1]
+        assert other.status == "expired" and other.in_progress_at is None, other
+        assert other.output_file_id is None and other.request_counts.completed == 0
+    finally:
+        server.stop()
