@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--retention-days", type=float, help="remove a finished batch's "
                        "folder and its output and error files this many days after it "
                        "ends (default: keep them)")
+    serve.add_argument("--engine", choices=("resident", "per-batch"), default="resident",
+                       help="resident (default): one engine, loaded once and shared by the "
+                       "running batches; per-batch: each batch loads its own, one at a time")
+    serve.add_argument("--max-running-batches", type=int, dest="max_running",
+                       help="batches run at once, sharing the resident engine (default: 4; "
+                       "1 with --engine per-batch)")
     serve.add_argument("--completion-window-s", type=float, default=86400,
                        help="seconds a batch may take from its creation (the hosted API's "
                        "completion_window, 24h); past it the batch is expired, with the "
@@ -198,7 +204,8 @@ def cmd_serve(args) -> int:
                         max_upload_mb=args.max_upload_mb,
                         served_model_name=args.served_model_name,
                         retention_days=args.retention_days,
-                        completion_window_s=args.completion_window_s), keys)
+                        completion_window_s=args.completion_window_s,
+                        engine=args.engine, max_running=args.max_running), keys)
     return 0
 
 

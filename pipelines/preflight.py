@@ -142,17 +142,10 @@ def plan_job(config: JobConfig) -> JobPlan:
         images=image_spec(config_prompt, config.input.path),
     )
     engine_options = (_http_engine_options(config) if config.engine.kind == "http" else {
-        "max_model_len": max_model_len,
-        "dtype": config.model.dtype,
-        "tensor_parallel_size": config.model.tensor_parallel_size,
-        "pipeline_parallel_size": config.model.pipeline_parallel_size,
-        "trust_remote_code": config.model.trust_remote_code,
-        **config.engine.model_dump(exclude={"kind", *RECOVERY_SETTINGS}),
+        **vllm_engine_options(config.model, config.engine, max_model_len),
         **({"reasoning_parser": config.model.reasoning_parser,
             "chat_template_kwargs": config_prompt.chat_template_kwargs}
            if config.model.reasoning_parser else {}),
-        # LoRA: each adapter checked against the model (pipelines/adapters.py)
-        **(check_adapters(config.model) if config.model.adapters else {}),
     })
     if images and config.engine.kind == "vllm" \
             and "limit_mm_per_prompt" not in config.engine.args:
@@ -255,6 +248,21 @@ def check_output_apart(input_path: str, plan: InputPlan, output: Location) -> No
 
 def _is_glob(path: str) -> bool:
     return any(ch in path for ch in "*?[")
+
+
+def vllm_engine_options(model, engine, max_model_len: int) -> dict:
+    """The in-process engine's options (udfs/vllm_engine.py) from the ``model`` and ``engine``
+    sections, reasoning aside; a LoRA adapter each checked against the model
+    (pipelines/adapters.py). ``overnight serve`` starts its resident engine from them."""
+    return {
+        "max_model_len": max_model_len,
+        "dtype": model.dtype,
+        "tensor_parallel_size": model.tensor_parallel_size,
+        "pipeline_parallel_size": model.pipeline_parallel_size,
+        "trust_remote_code": model.trust_remote_code,
+        **engine.model_dump(exclude={"kind", *RECOVERY_SETTINGS}),
+        **(check_adapters(model) if model.adapters else {}),
+    }
 
 
 def _http_engine_options(config: JobConfig) -> dict:

@@ -1,4 +1,5 @@
-"""The batch queue: validate, then run FIFO, one batch at a time, each as ``overnight batch``.
+"""The batch queue: validate, then run up to ``max_running`` batches at once, in the order they
+were created, each as ``overnight batch``.
 
 Each batch runs as a child process, ``python -m pipelines.cli batch input.jsonl -o results.jsonl
 -e errors.jsonl --model M --config C --quiet``, in its own process group, so that it:
@@ -12,6 +13,13 @@ Each batch runs as a child process, ``python -m pipelines.cli batch input.jsonl 
 - when it dies on its own (the OOM killer), takes its Ray processes with it (its group is
   killed) and is started again from those parts, ``ATTEMPTS`` runs at most; past that the
   batch fails with the results done so far, delivered as a cancel delivers them.
+
+With a resident engine (serve/engine.py) a child's job sends its requests to it: the running
+batches share it, each with at most its share of the engine's requests in flight, so the
+engine works on all of them side by side (round robin by batch, in effect): a small batch
+started behind a large one finishes in its own time. A batch waits in the queue only while
+``max_running`` others run. Embedding batches (and every batch without a resident engine)
+load an engine of their own, as ``overnight batch`` does.
 
 While it runs, ``request_counts`` is read from those committed parts (each part once), in the
 job's staging folder ``results.jsonl.overnight/output.partial/``. A cancelled batch gets the
@@ -62,14 +70,21 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before 
 
 
 class Runner:
-    """Two daemon threads: one validates new batches, one runs the queue."""
+    """Two daemon threads: one validates new batches, one runs the queue.
+
+    ``config``: the batches' job config (a YAML path); ``resident``: the job config of a
+    batch run on the resident engine and the environment its child needs (the engine's key),
+    or None (every batch loads its own engine)."""
 
     def __init__(self, store: Store, *, model: str, config: Path | None,
-                 overrides: list[str], served_model: str):
+                 overrides: list[str], served_model: str, max_running: int = 1,
+                 resident: tuple[Path, dict[str, str]] | None = None):
         self.store, self.model, self.config = store, model, config
         self.overrides, self.served_model = overrides, served_model
+        self.max_running, self.resident = max(1, max_running), resident
         self._validate_wake, self._run_wake = threading.Event(), threading.Event()
         self._counted: dict[str, tuple[int, int]] = {}  # part path -> (requests, failed)
+        self.running: dict[str, subprocess.Popen] = {}  # batch id -> its child (runner thread)
 
     def start(self) -> None:
         for target, name in ((self._validate_loop, "validator"), (self._run_loop, "runner")):
@@ -107,32 +122,33 @@ class Runner:
     def _run_loop(self) -> None:
         while True:
             self._housekeeping()
-            queue = [b for b in self.store.batches_in("in_progress") if not self._expired(b)]
-            if queue:
-                self._guard(queue[0], self._run, queue[0])
-                continue
-            self._run_wake.wait(5)
+            for batch_id, child in list(self.running.items()):
+                self._guard(batch_id, self._watch, batch_id, child)
+            queue = [b for b in self.store.batches_in("in_progress")
+                     if b not in self.running and not self._expired(b)]
+            for batch_id in queue[:self.max_running - len(self.running)]:
+                self._guard(batch_id, self._start, batch_id)
+            self._run_wake.wait(POLL if self.running else 5)
             self._run_wake.clear()
 
-    def _housekeeping(self, running: str | None = None) -> None:
+    def _housekeeping(self) -> None:
         """Batches not running that need a step: cancelled while queued (or while the server
         was down), or finished but not yet finalized when the server was killed."""
         for batch_id in self.store.batches_in("cancelling"):
-            if batch_id != running:
+            if batch_id not in self.running:
                 self._guard(batch_id, self._finish_cancel, batch_id)
         for batch_id in self.store.batches_in("finalizing"):
-            self._guard(batch_id, self._finalize, batch_id, "completed")
+            if batch_id not in self.running:
+                self._guard(batch_id, self._finalize, batch_id, "completed")
 
-    def _expired(self, batch_id: str, child: subprocess.Popen | None = None) -> bool:
+    def _expired(self, batch_id: str) -> bool:
         """True, and the batch expired with the results done so far (as the hosted API does),
         once its completion window has passed; its job stopped first."""
         batch = self.store.get_batch(None, batch_id)
         if batch is None or batch["status"] != "in_progress" \
                 or time.time() < (batch.get("expires_at") or float("inf")):
             return False
-        if child is not None:
-            _stop(child)
-            self.store.set_child(batch_id, None)
+        self._stop_child(batch_id)
         self._guard(batch_id, self._expire, batch_id)
         return True
 
@@ -141,6 +157,12 @@ class Runner:
         self._deliver(batch_id)
         self._finalize(batch_id, "expired", only_if=("in_progress",))
 
+    def _stop_child(self, batch_id: str) -> None:
+        child = self.running.pop(batch_id, None)
+        if child is not None:
+            _stop(child)
+            self.store.set_child(batch_id, None)
+
     def _guard(self, batch_id: str, step, *args) -> None:
         """A step that fails on a server bug ends its batch, not the queue: cancelled if the
         user asked for that, else failed; a batch already in a final status keeps it."""
@@ -148,13 +170,14 @@ class Runner:
             step(*args)
         except Exception as exc:  # noqa: BLE001 - the queue must go on
             log.exception("batch %s: %s", batch_id, type(exc).__name__)
+            self._stop_child(batch_id)
             now, errors = int(time.time()), _one_error("server_error", type(exc).__name__)
             if self.store.update_batch(batch_id, only_if=("cancelling",), status="cancelled",
                                        cancelled_at=now, errors=errors) is None:
                 self.store.update_batch(batch_id, only_if=UNFINISHED, status="failed",
                                         failed_at=now, errors=errors)
 
-    def _run(self, batch_id: str) -> None:
+    def _start(self, batch_id: str) -> None:
         from pipelines.batch import finish_write
 
         folder = self.store.batch_dir(batch_id)
@@ -167,23 +190,25 @@ class Runner:
         if len(deaths) >= ATTEMPTS:  # given up before a restart, not yet delivered
             self._give_up(batch_id, deaths)
             return
-        self.store.update_batch(batch_id, only_if=("in_progress",), in_progress_at=int(
-            self.store.get_batch(None, batch_id).get("in_progress_at") or time.time()))
-        child = self._launch(batch_id, folder)
-        while child.poll() is None:
-            if self._expired(batch_id, child):
+        batch = self.store.get_batch(None, batch_id)
+        self.store.update_batch(batch_id, only_if=("in_progress",),
+                                in_progress_at=int(batch.get("in_progress_at") or time.time()))
+        self.running[batch_id] = self._launch(batch_id, folder, batch["endpoint"])
+
+    def _watch(self, batch_id: str, child: subprocess.Popen) -> None:
+        """One look at a running batch: its window, a cancel, its counts; once its child has
+        exited, what comes next (finalized, started again, or failed)."""
+        if child.poll() is None:
+            if self._expired(batch_id):
                 return
             if self.store.get_batch(None, batch_id)["status"] == "cancelling":
-                _stop(child)
-                self.store.set_child(batch_id, None)
+                self._stop_child(batch_id)
                 self._finish_cancel(batch_id)
                 return
             self._update_counts(batch_id)
-            self._housekeeping(running=batch_id)
-            self._run_wake.wait(POLL)
-            self._run_wake.clear()
-        _stop(child)  # what the child started (Ray's processes, its group) goes with it
-        self.store.set_child(batch_id, None)
+            return
+        self._stop_child(batch_id)  # what the child started (Ray's processes) goes with it
+        folder = self.store.batch_dir(batch_id)
         if child.returncode == 0 and self.store.update_batch(
                 batch_id, only_if=("in_progress",), status="finalizing",
                 finalizing_at=int(time.time())) is not None:
@@ -216,13 +241,16 @@ class Runner:
                        errors=_one_error("batch_failed", message))
         log.info("batch %s: failed: %s", batch_id, message)
 
-    def _launch(self, batch_id: str, folder: Path) -> subprocess.Popen:
+    def _launch(self, batch_id: str, folder: Path, endpoint: str) -> subprocess.Popen:
+        # an embedding batch needs a pooling engine: its own, as `overnight batch` loads it
+        warm = self.resident is not None and endpoint != "/v1/embeddings"
+        config, env = self.resident if warm else (self.config, {})
         command = [sys.executable, "-m", "pipelines.cli", "batch", str(folder / INPUT),
                    "-o", str(folder / RESULTS), "-e", str(folder / ERRORS),
                    "--model", self.model, "--served-model-name", self.served_model, "--quiet",
                    "--format", "openai"]
-        if self.config is not None:
-            command += ["--config", str(self.config)]
+        if config is not None:
+            command += ["--config", str(config)]
         for override in self.overrides:
             command += ["--set", override]
         with open(folder / "log.txt", "ab") as log_file:
@@ -231,9 +259,10 @@ class Runner:
             child = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_die_with_parent,
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"})
         self.store.set_child(batch_id, child.pid)
-        log.info("batch %s: started (pid %d)", batch_id, child.pid)
+        log.info("batch %s: started (pid %d%s)", batch_id, child.pid,
+                 ", on the resident engine" if warm else "")
         return child
 
     # -- counts, cancel, finalize ------------------------------------------------------------

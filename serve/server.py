@@ -34,6 +34,8 @@ class ServeSettings:
     served_model_name: str = ""  # the ``model`` batches and results give; "": the dir's name
     retention_days: float | None = None  # finished batches' data kept this long (None: kept)
     completion_window_s: float = 86400  # a batch unfinished this long after its creation expires
+    engine: str = "resident"  # or "per-batch": each batch loads an engine of its own
+    max_running: int = 4  # batches run at once (on the resident engine); 1 without one
 
     @property
     def served_model(self) -> str:
@@ -66,7 +68,10 @@ def load_settings(*, config: str | None, model: str | None, overrides: list[str]
                   data_dir: str, host: str, port: int, max_upload_mb: float,
                   served_model_name: str | None = None,
                   retention_days: float | None = None,
-                  completion_window_s: float = 86400) -> ServeSettings:
+                  completion_window_s: float = 86400, engine: str = "resident",
+                  max_running: int | None = None) -> ServeSettings:
+    from pipelines.config.load import apply_overrides
+
     raw: dict = {}
     if config:
         try:
@@ -75,7 +80,8 @@ def load_settings(*, config: str | None, model: str | None, overrides: list[str]
             raise ConfigError(f"{config}: cannot read: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{config}: not a mapping of sections")
-    raw = {k: v for k, v in raw.items() if k not in JOB_ONLY_SECTIONS}
+    raw = apply_overrides({k: v for k, v in raw.items() if k not in JOB_ONLY_SECTIONS},
+                          list(overrides))
     model = model or (raw.get("model") or {}).get("name")
     if not model:
         raise ConfigError("serve: no model; give --model, or a --config with model.name")
@@ -84,8 +90,17 @@ def load_settings(*, config: str | None, model: str | None, overrides: list[str]
     if not completion_window_s > 0:
         raise ConfigError(f"serve: --completion-window-s {completion_window_s}: must be more "
                           "than 0")
+    if engine not in ("resident", "per-batch"):
+        raise ConfigError(f"serve: --engine {engine}: resident or per-batch")
+    if max_running is not None and max_running < 1:
+        raise ConfigError(f"serve: --max-running-batches {max_running}: at least 1")
+    if engine == "resident" and (raw.get("model") or {}).get("reasoning_parser"):
+        raise ConfigError("serve: model.reasoning_parser needs --engine per-batch (the "
+                          "resident engine takes requests as the HTTP engine sends them, "
+                          "which does not parse reasoning yet)")
     return ServeSettings(data_dir=Path(data_dir).resolve(), model=model, config=raw,
-                         overrides=list(overrides), host=host, port=port,
+                         host=host, port=port, engine=engine,
+                         max_running=max_running or (4 if engine == "resident" else 1),
                          max_upload_bytes=int(max_upload_mb * (1 << 20)),
                          served_model_name=served_model_name or "",
                          retention_days=retention_days,
@@ -118,6 +133,8 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
     from serve.runner import Runner
     from serve.store import Store
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per look at the engine
     # Prompts, results and the key HMACs are this user's alone: every file and folder the
     # server and its batches' children make is theirs only, and what an earlier server made
     # with a wider mode is closed (the data directory itself shuts the rest)
@@ -132,12 +149,28 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
     if settings.config:
         config_path = settings.data_dir / "batch-config.yaml"
         config_path.write_text(yaml.safe_dump(settings.config), encoding="utf-8")
-    runner = Runner(store, model=settings.model, config=config_path,
-                    overrides=settings.overrides, served_model=settings.served_model)
+    resident = None
+    engine_kind = (settings.config.get("engine") or {}).get("kind", "vllm")
+    if settings.engine == "resident" and engine_kind != "http":  # http: a server already
+        from serve.engine import KEY_ENV, ResidentEngine
+
+        print(f"overnight serve: loading {settings.model} into the resident engine "
+              f"(log: {settings.data_dir / 'engine.log'})", flush=True)
+        engine = ResidentEngine(settings.data_dir, settings.model, settings.served_model,
+                                settings.config)
+        engine.start()
+        engine.watch()
+        warm_path = settings.data_dir / "batch-config-resident.yaml"
+        warm_path.write_text(yaml.safe_dump(engine.job_config(settings.config,
+                                                              settings.max_running)),
+                             encoding="utf-8")
+        resident = (warm_path, {KEY_ENV: engine.key})
+    runner = Runner(store, model=settings.model, config=config_path, overrides=[],
+                    served_model=settings.served_model, max_running=settings.max_running,
+                    resident=resident)
     app = create_app(store, runner, owners={store.owner_of(k) for k in keys},
                      max_upload_bytes=settings.max_upload_bytes,
                      window_s=settings.completion_window_s)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     runner.start()
     threading.Thread(target=_sweep_loop, args=(store, settings.retention_days),
                      name="overnight-serve-sweep", daemon=True).start()

@@ -84,42 +84,7 @@ class VLLMEngine:
             self.cpu_threads = torch.get_num_threads()
             # vLLM stubs out torch.set_num_threads once built: keep the real one
             self.set_num_threads = torch.set_num_threads
-        kwargs = dict(
-            model=spec.model,
-            tokenizer=spec.model,
-            max_model_len=opts.pop("max_model_len", None),
-            dtype=_dtype(opts.pop("dtype", "auto"), cpu),
-            tensor_parallel_size=opts.pop("tensor_parallel_size", 1),
-            pipeline_parallel_size=opts.pop("pipeline_parallel_size", 1),
-            trust_remote_code=opts.pop("trust_remote_code", False),
-            enforce_eager=_default(opts.pop("enforce_eager", None), cpu),
-            gpu_memory_utilization=opts.pop("gpu_memory_utilization", 0.9),
-            structured_outputs_config=opts.pop("structured_outputs", None),
-            # the most top alternatives a request may ask for (vLLM's default: 20)
-            max_logprobs=opts.pop("max_logprobs", None),
-        )
-        if kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"] > 1:
-            # The replica's actor runs in a placement group of its GPUs (pipelines/resources);
-            # vLLM's Ray executor puts one worker on each of that group's bundles.
-            kwargs["distributed_executor_backend"] = "ray"
-        if cpu:
-            # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded
-            # request's prefill is split across steps; unsplit prefills avoid that path.
-            kwargs["enable_chunked_prefill"] = False
-        kv_bytes = opts.pop("kv_cache_memory_bytes", None)
-        if kv_bytes is None and cpu:
-            kv_bytes = 1 << 30  # vLLM's own memory check fails on CPU; give it a size
-        if kv_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_bytes
-        if reasoning_parser:
-            # vLLM's structured outputs then apply after the thinking, as its server does
-            kwargs["reasoning_parser"] = reasoning_parser
-        if adapters:
-            kwargs.update(enable_lora=True, **lora_settings(len(adapters), cpu, **lora))
-        kwargs.update(opts.pop("args", {}))
-        if opts:
-            raise ValueError(f"unknown vllm engine options: {sorted(opts)}")
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        kwargs = llm_kwargs(spec.model, opts, cpu, reasoning_parser, adapters, lora)
         self.llm = None
         # On CPU the stepper thread builds the engine as well as running it: see _Stepper
         self._stepper = self.stepper_class()(self, build=lambda: vllm.LLM(**kwargs),
@@ -428,6 +393,49 @@ class _Waiting:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+
+def llm_kwargs(model: str, opts: dict, cpu: bool, reasoning_parser: str | None = None,
+               adapters: dict | None = None, lora: dict | None = None) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for an engine's options (``opts`` is emptied, an
+    unknown option refused); ``overnight serve``'s resident engine is started with the same
+    (serve/engine.py), so its results equal the in-process engine's."""
+    kwargs = dict(
+        model=model,
+        tokenizer=model,
+        max_model_len=opts.pop("max_model_len", None),
+        dtype=_dtype(opts.pop("dtype", "auto"), cpu),
+        tensor_parallel_size=opts.pop("tensor_parallel_size", 1),
+        pipeline_parallel_size=opts.pop("pipeline_parallel_size", 1),
+        trust_remote_code=opts.pop("trust_remote_code", False),
+        enforce_eager=_default(opts.pop("enforce_eager", None), cpu),
+        gpu_memory_utilization=opts.pop("gpu_memory_utilization", 0.9),
+        structured_outputs_config=opts.pop("structured_outputs", None),
+        # the most top alternatives a request may ask for (vLLM's default: 20)
+        max_logprobs=opts.pop("max_logprobs", None),
+    )
+    if kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"] > 1:
+        # The replica's actor runs in a placement group of its GPUs (pipelines/resources);
+        # vLLM's Ray executor puts one worker on each of that group's bundles.
+        kwargs["distributed_executor_backend"] = "ray"
+    if cpu:
+        # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded
+        # request's prefill is split across steps; unsplit prefills avoid that path.
+        kwargs["enable_chunked_prefill"] = False
+    kv_bytes = opts.pop("kv_cache_memory_bytes", None)
+    if kv_bytes is None and cpu:
+        kv_bytes = 1 << 30  # vLLM's own memory check fails on CPU; give it a size
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    if reasoning_parser:
+        # vLLM's structured outputs then apply after the thinking, as its server does
+        kwargs["reasoning_parser"] = reasoning_parser
+    if adapters:
+        kwargs.update(enable_lora=True, **lora_settings(len(adapters), cpu, **(lora or {})))
+    kwargs.update(opts.pop("args", {}))
+    if opts:
+        raise ValueError(f"unknown vllm engine options: {sorted(opts)}")
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def lora_settings(adapters: int, cpu: bool, max_lora_rank: int | None = None,
