@@ -38,6 +38,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from pipelines import batch_anthropic as anthropic
 from pipelines import batch_embeddings as embeddings
+from pipelines import batch_responses as responses
 from pipelines.config import JobConfig, apply_overrides, load_config
 from pipelines.errors import ConfigError, InputError, OutputError
 from pipelines.storage import Location, scrub_record
@@ -229,10 +230,14 @@ def _parse(data: dict, default_max_tokens: int | None, max_model_len: int) -> di
     if line.url == embeddings.URL:  # pipelines/batch_embeddings.py
         fields = embeddings.parse_body(line.body, lambda m: _Reject("invalid_body", m))
         return {CUSTOM_ID: line.custom_id, KIND: embeddings.KIND, MAX_TOKENS: 0, **fields}
+    if line.url == responses.URL:  # pipelines/batch_responses.py
+        return {CUSTOM_ID: line.custom_id, **responses.parse_body(
+            line.body, _Reject, default_max_tokens, max_model_len, _content,
+            _response_format)}
     kind = URLS.get(line.url)
     if kind is None:
         raise _Reject("invalid_url", f"url {line.url!r} is not supported; use one of "
-                      + ", ".join([*URLS, embeddings.URL]))
+                      + ", ".join([*URLS, responses.URL, embeddings.URL]))
     try:
         body = _Body.model_validate(line.body)
     except ValidationError as err:
@@ -538,18 +543,22 @@ def _fsync(path: Path) -> None:
 
 def write_results(job_output: Path, rejected: Path, results: Path, errors: Path | None,
                   model: str, tokenizer: str | None = None,
-                  adapters: tuple[str, ...] = (), fmt: str = "openai") -> tuple[int, int]:
+                  adapters: tuple[str, ...] = (), fmt: str = "openai",
+                  unfinished: str | None = None) -> tuple[int, int]:
     """The job's parts -> result lines (in input order); failed rows and rejected lines ->
     error lines (in line order), both committed at once (see WRITTEN). Returns (results,
     errors). A result on a LoRA adapter (one of ``adapters``) names it as its model. ``fmt``
-    "anthropic": one file (``errors`` None) of every line's result, in line order."""
+    "anthropic": one file (``errors`` None) of every line's result, in line order; with
+    ``unfinished`` ("canceled", "expired" or "errored": a batch stopped before its end), a
+    request the job did not reach has a result of that type."""
     finish_write(results, errors)  # an earlier commit first: its staged files are not leftovers
     for path in (results, errors):  # staged files of writes killed before their commit
         for leftover in path.parent.glob(f".{path.name}.*.staged") if path else ():
             leftover.unlink(missing_ok=True)
     token = uuid.uuid4().hex[:8]
     if fmt == anthropic.FORMAT:
-        return _write_anthropic(job_output, rejected, results, token, model, adapters)
+        return _write_anthropic(job_output, rejected, results, token, model, adapters,
+                                unfinished)
     staged_ok, staged_errors = _staged(results, token), _staged(errors, token)
     failures = job_output.with_name(job_output.name + ".failed.jsonl")
     ok = failed = 0
@@ -587,14 +596,29 @@ def _commit(results: Path, errors: Path | None, staged: tuple, counts: list[int]
 
 
 def _write_anthropic(job_output: Path, rejected: Path, results: Path, token: str, model: str,
-                     adapters: tuple[str, ...]) -> tuple[int, int]:
+                     adapters: tuple[str, ...], unfinished: str | None) -> tuple[int, int]:
     """A Message Batches file's results: the job's rows and the rejected lines merged in line
-    order into one file, committed as the pair is (see WRITTEN)."""
+    order into one file, committed as the pair is (see WRITTEN); and with ``unfinished``,
+    the requests not reached."""
     staged = _staged(results, token)
     counts = [0, 0]  # succeeded, errored
+    parts = list_parts(Location.of(job_output))[0] if job_output.is_dir() else []
+
+    def unreached():
+        done = set()
+        for part in parts:
+            done.update(pq.read_table(job_output / part.name, columns=[LINE])
+                        .column(LINE).to_pylist())
+        prepared = pq.ParquetFile(job_output.parent / "requests.parquet")
+        for group in range(prepared.num_row_groups):
+            table = prepared.read_row_group(group, columns=[CUSTOM_ID, LINE])
+            for custom_id, line in zip(table.column(CUSTOM_ID).to_pylist(),
+                                       table.column(LINE).to_pylist()):
+                if line not in done:
+                    yield line, anthropic.unfinished(custom_id, unfinished, line)
 
     def ran():
-        for part in list_parts(Location.of(job_output))[0]:  # in input order
+        for part in parts:  # in input order
             for (row,) in _requests(pq.read_table(job_output / part.name)):  # n is always 1
                 if row[columns.ERROR] is not None \
                         and row[columns.ERROR_KIND] != columns.ErrorKind.NO_ANSWER:
@@ -615,9 +639,10 @@ def _write_anthropic(job_output: Path, rejected: Path, results: Path, token: str
                     error["error"]["line"])
 
     with open(staged, "w", encoding="utf-8") as out:
-        for _, line in heapq.merge(ran(), refused(), key=lambda item: item[0]):
+        streams = (ran(), refused(), *((unreached(),) if unfinished else ()))
+        for _, line in heapq.merge(*streams, key=lambda item: item[0]):
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            counts[line["result"]["type"] == "errored"] += 1
+            counts[line["result"]["type"] != "succeeded"] += 1
     _commit(results, None, (staged, None), counts)
     return counts[0], counts[1]
 
@@ -658,6 +683,11 @@ def _result_line(samples: list[dict], model: str, created: int, token_bytes) -> 
         return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id,
                 "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
                              "body": body}, "error": None}
+    if first[KIND] == responses.KIND:  # n is always 1
+        return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id,
+                "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
+                             "body": responses.result_body(first, model, created)},
+                "error": None}
     chat = first[KIND] == "chat"
     # a thinking model (model.reasoning_parser): the thinking beside the answer, as vLLM's
     # server names it (message.reasoning), and its tokens in the usage

@@ -193,3 +193,12 @@ def errored(custom_id, code: str, message: str, line: int) -> dict:
     return {"custom_id": custom_id, "result": {"type": "errored", "error": {
         "type": "error", "error": {"type": kind, "message": f"{message} (line {line}, {code})"},
         "request_id": _id("req", custom_id, line)}}}
+
+
+def unfinished(custom_id, kind: str, line: int) -> dict:
+    """A request a stopped batch did not reach -> its ``canceled`` or ``expired`` result (or
+    ``errored``, where the batch could not go on)."""
+    if kind == "errored":
+        return errored(custom_id, "batch_failed", "the batch stopped before this request ran",
+                       line)
+    return {"custom_id": custom_id, "result": {"type": kind}}

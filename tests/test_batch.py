@@ -455,3 +455,63 @@ def test_logprobs_byte_fields_follow_the_tokens_bytes(tiny_model):
             assert text[offset:].startswith(entry["token"])
     tokens = [e["token"] for e in entries]
     assert offsets[tokens.index("ull")] == text.index("ull") == 2  # after "N" and "ö"
+
+
+def responses_twin(request: dict, **extra) -> dict:
+    """A chat request of GREEDY_CHAT as a /v1/responses line: its system message as
+    instructions, its user message as input_text parts."""
+    system, user = request["body"]["messages"]
+    return {"custom_id": "resp-" + request["custom_id"], "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": MODEL_NAME, "instructions": system["content"],
+                     "input": [{"role": "user", "content": [
+                         {"type": "input_text", "text": user["content"]}]}],
+                     "max_output_tokens": request["body"]["max_tokens"], "temperature": 0,
+                     **extra}}
+
+
+def test_responses_lines_equal_the_same_requests_as_chat_completions(tiny_model, ray_cluster,
+                                                                     tmp_path):
+    """/v1/responses lines beside their chat twins in one file: the same greedy text, in the
+    Responses API's shape (the openai client's Response model parses each body), an
+    incomplete status where max_output_tokens ran out, a json_schema text.format honoured,
+    and a field overnight cannot honour (tools) the request's error naming it."""
+    from openai.types.responses import Response
+
+    chats = [*GREEDY_CHAT[:3], chat("schema", "Describe a box as JSON.", max_tokens=60,
+                                    temperature=0, response_format={
+                                        "type": "json_schema",
+                                        "json_schema": {"name": "box", "schema": SCHEMA}})]
+    twins = [responses_twin(r) for r in chats[:3]] + [responses_twin(
+        chats[3], text={"format": {"type": "json_schema", "name": "box", "schema": SCHEMA,
+                                   "strict": True}})]
+    tools = {**responses_twin(chats[0]), "custom_id": "tools"}
+    tools["body"]["tools"] = [{"type": "web_search"}]
+    (tmp_path / "requests.jsonl").write_text("".join(
+        json.dumps(line) + "\n" for line in [*chats, *twins, tools]))
+    counts = run_batch_file(tmp_path / "requests.jsonl", tmp_path / "results.jsonl",
+                            model=tiny_model, overrides=SETTINGS)
+    assert (counts["results"], counts["errors"]) == (8, 1)
+    results = {r["custom_id"]: r["response"]["body"] for r in map(
+        json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    for request in chats:
+        chat_body = results[request["custom_id"]]
+        body = results["resp-" + request["custom_id"]]
+        Response.model_validate(body)
+        assert body["object"] == "response" and body["model"] == Path(tiny_model).name
+        [message] = body["output"]
+        assert message["type"] == "message" and message["role"] == "assistant"
+        [part] = message["content"]
+        assert part["type"] == "output_text"
+        assert part["text"] == chat_body["choices"][0]["message"]["content"]
+        assert body["usage"]["input_tokens"] == chat_body["usage"]["prompt_tokens"]
+        assert body["usage"]["output_tokens"] == chat_body["usage"]["completion_tokens"]
+        cut = chat_body["choices"][0]["finish_reason"] == "length"
+        assert body["status"] == ("incomplete" if cut else "completed")
+        assert body["incomplete_details"] == ({"reason": "max_output_tokens"} if cut else None)
+    jsonschema.validate(json.loads(results["resp-schema"]["output"][0]["content"][0]["text"]),
+                        SCHEMA)
+    [error] = [json.loads(line) for line in
+               (tmp_path / "results.errors.jsonl").read_text().splitlines()]
+    assert error["custom_id"] == "tools" and error["error"]["code"] == "invalid_body"
+    assert "body.tools" in error["error"]["message"] and error["error"]["line"] == 9
