@@ -1,5 +1,7 @@
 """The HTTP API: ``/v1/files`` and ``/v1/batches`` with the OpenAI API's shapes, status codes and
-error objects (``{"error": {"message", "type", "param", "code"}}``), behind bearer keys; and the
+error objects (``{"error": {"message", "type", "param", "code"}}``), behind bearer keys;
+Anthropic's ``/v1/messages/batches`` (serve/anthropic.py) behind the same keys as
+``x-api-key``; and the
 pages (``/ui``): a key's batches, and each batch's job as ``overnight view`` shows it
 (pipelines/view.py), its data behind the same keys at ``/v1/batches/{id}/view/...``.
 
@@ -21,11 +23,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from pipelines import view
+from serve import anthropic
 from serve.runner import INPUT, RESULTS, Runner
 from serve.store import Store, new_id
 
 # what ``overnight batch`` runs (embeddings as a task: embed job, pipelines/batch_embeddings.py)
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 WINDOW = 24 * 3600  # the hosted API's only completion_window, "24h"
 
 
@@ -55,12 +58,19 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
     async def _http_error(request: Request, exc: HTTPException):
         message = ("Invalid URL " f"({request.method} {request.url.path})"
                    if exc.status_code in (404, 405) else str(exc.detail))
+        if anthropic.is_anthropic_path(request.url.path):
+            return anthropic.error_response(exc.status_code, "not_found_error" if
+                                            exc.status_code == 404 else "invalid_request_error",
+                                            message)
         return JSONResponse(error_body(message), exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_params(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
         param = str(first["loc"][-1]) if first.get("loc") else None
+        if anthropic.is_anthropic_path(request.url.path):
+            return anthropic.error_response(400, "invalid_request_error",
+                                            f"{param}: {first['msg']}")
         return JSONResponse(error_body(f"Invalid value for '{param}': {first['msg']}.",
                                        param=param, code="invalid_value"), 400)
 
@@ -71,7 +81,16 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
             return view.secure_headers(await call_next(request))
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        if anthropic.is_anthropic_path(request.url.path):  # Anthropic's header, and errors
+            key = request.headers.get("x-api-key") or (key if scheme.lower() == "bearer"
+                                                       else "")
+            if not key.strip():
+                return anthropic.error_response(401, "authentication_error",
+                                                "x-api-key header is required")
+            if store.owner_of(key.strip()) not in owners:
+                return anthropic.error_response(401, "authentication_error",
+                                                "invalid x-api-key")
+        elif scheme.lower() != "bearer" or not key.strip():
             return JSONResponse(error_body(
                 "You didn't provide an API key. Provide it in the Authorization header "
                 "(Authorization: Bearer YOUR_KEY)."), 401)
@@ -209,6 +228,7 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
         return status
 
     view.job_routes(app, "/v1/batches/{batch_id}/view", batch_view, shown)
+    anthropic.add_routes(app, store, runner, window_s=window_s)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(request: Request, batch_id: str):
@@ -292,7 +312,7 @@ def _file(store: Store, request: Request, file_id: str) -> dict:
 
 def _batch(store: Store, request: Request, batch_id: str) -> dict:
     found = store.get_batch(request.state.owner, batch_id)
-    if found is None:
+    if found is None or found.get("api") is not None:  # a message batch is Anthropic's
         raise APIError(404, f"No batch found with id '{batch_id}'.", param="batch_id")
     return found
 

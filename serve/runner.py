@@ -58,6 +58,7 @@ RESULTS, ERRORS, INPUT = "results.jsonl", "errors.jsonl", "input.jsonl"
 ATTEMPTS = 3
 DEATHS = "deaths.jsonl"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+ANTHROPIC_ENDPOINT = "/v1/messages"  # a message batch's (serve/anthropic.py)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
@@ -154,7 +155,7 @@ class Runner:
 
     def _expire(self, batch_id: str) -> None:
         _stop_stale_child(self.store, batch_id)
-        self._deliver(batch_id)
+        self._deliver(batch_id, "expired")
         self._finalize(batch_id, "expired", only_if=("in_progress",))
 
     def _stop_child(self, batch_id: str) -> None:
@@ -182,7 +183,8 @@ class Runner:
 
         folder = self.store.batch_dir(batch_id)
         _stop_stale_child(self.store, batch_id)
-        if finish_write(folder / RESULTS, folder / ERRORS) is not None:
+        anthropic = self.store.get_batch(None, batch_id).get("api") == "anthropic"
+        if finish_write(folder / RESULTS, None if anthropic else folder / ERRORS) is not None:
             # the child finished; the server did not see it
             self._finalize(batch_id, "completed", only_if=("in_progress", "finalizing"))
             return
@@ -236,7 +238,7 @@ class Runner:
         if message is None:
             message = (f"the batch's job died {len(deaths)} times (last: "
                        f"{deaths[-1]['cause']}); the results done so far are delivered")
-        self._deliver(batch_id)
+        self._deliver(batch_id, "errored")
         self._finalize(batch_id, "failed", only_if=("in_progress",),
                        errors=_one_error("batch_failed", message))
         log.info("batch %s: failed: %s", batch_id, message)
@@ -245,10 +247,12 @@ class Runner:
         # an embedding batch needs a pooling engine: its own, as `overnight batch` loads it
         warm = self.resident is not None and endpoint != "/v1/embeddings"
         config, env = self.resident if warm else (self.config, {})
+        # a message batch (serve/anthropic.py): one results file, Anthropic's results
+        files = ["--format", "anthropic"] if endpoint == ANTHROPIC_ENDPOINT else [
+            "-e", str(folder / ERRORS), "--format", "openai"]
         command = [sys.executable, "-m", "pipelines.cli", "batch", str(folder / INPUT),
-                   "-o", str(folder / RESULTS), "-e", str(folder / ERRORS),
-                   "--model", self.model, "--served-model-name", self.served_model, "--quiet",
-                   "--format", "openai"]
+                   "-o", str(folder / RESULTS), *files,
+                   "--model", self.model, "--served-model-name", self.served_model, "--quiet"]
         if config is not None:
             command += ["--config", str(config)]
         for override in self.overrides:
@@ -292,23 +296,32 @@ class Runner:
     def _finish_cancel(self, batch_id: str) -> None:
         """A stopped (or never started) batch: the results of the parts done so far."""
         _stop_stale_child(self.store, batch_id)
-        self._deliver(batch_id)
+        self._deliver(batch_id, "canceled")
         self._finalize(batch_id, "cancelled", only_if=("cancelling",))
 
-    def _deliver(self, batch_id: str) -> None:
+    def _deliver(self, batch_id: str, unfinished: str) -> None:
         """The result and error files of the parts committed so far, unless the pair is
-        already written (one commit: pipelines.batch.finish_write)."""
+        already written (one commit: pipelines.batch.finish_write). A message batch's one
+        file has every request's result: those not reached are ``unfinished`` (canceled,
+        expired, errored), as Anthropic reports them."""
         from pipelines.batch import finish_write, write_results
 
         folder = self.store.batch_dir(batch_id)
+        anthropic = self.store.get_batch(None, batch_id).get("api") == "anthropic"
+        errors = None if anthropic else folder / ERRORS
         work = folder / f"{RESULTS}.overnight"
         parts = work / "output.partial"
         if not parts.is_dir():
             parts = work / "output"
-        have_results = finish_write(folder / RESULTS, folder / ERRORS) is not None
-        if not have_results and parts.is_dir() and (work / "rejected.jsonl").exists():
-            write_results(parts, work / "rejected.jsonl", folder / RESULTS, folder / ERRORS,
-                          self.served_model, tokenizer=self.model)
+        if finish_write(folder / RESULTS, errors) is not None:
+            return
+        if (work / "rejected.jsonl").exists() and (work / "requests.parquet").exists():
+            write_results(parts, work / "rejected.jsonl", folder / RESULTS, errors,
+                          self.served_model, tokenizer=self.model,
+                          fmt="anthropic" if anthropic else "openai",
+                          unfinished=unfinished if anthropic else None)
+        elif anthropic:  # never started: every request is unfinished
+            _unfinished_results(folder / INPUT, folder / RESULTS, unfinished)
 
     def _finalize(self, batch_id: str, status: str, *,
                   only_if: tuple[str, ...] = ("finalizing",), **extra) -> None:
@@ -319,6 +332,16 @@ class Runner:
         folder = self.store.batch_dir(batch_id)
         changes: dict = {"status": status, f"{status}_at": int(time.time())}
         counts = dict(batch["request_counts"] or {"total": 0})
+        if batch.get("api") == "anthropic":  # its results are its own (serve/anthropic.py)
+            from serve.anthropic import count_results
+
+            found = changes["result_counts"] = count_results(folder / RESULTS)
+            counts.update(completed=found.get("succeeded", 0),
+                          failed=sum(found.values()) - found.get("succeeded", 0))
+            changes["request_counts"] = counts
+            if self.store.update_batch(batch_id, only_if=only_if, **changes, **extra):
+                log.info("batch %s: %s (%s)", batch_id, status, found)
+            return
         for name, key, label, count_key in ((RESULTS, "output_file_id", "output", "completed"),
                                             (ERRORS, "error_file_id", "error", "failed")):
             path = folder / name
@@ -381,6 +404,20 @@ def _group(pgid: int) -> list[bytes]:
         except (OSError, IndexError, ValueError):
             continue
     return commands
+
+
+def _unfinished_results(requests: Path, results: Path, kind: str) -> None:
+    """A message batch stopped before its job started: one ``kind`` result per request, in
+    the file's order, written whole under a temporary name and renamed in."""
+    from pipelines.batch_anthropic import unfinished
+
+    tmp = results.with_name(f".{results.name}.tmp")
+    with open(requests, encoding="utf-8") as source, open(tmp, "w", encoding="utf-8") as out:
+        for number, line in enumerate(source, 1):
+            if line.strip():
+                out.write(json.dumps(unfinished(json.loads(line)["custom_id"], kind, number))
+                          + "\n")
+    os.replace(tmp, results)
 
 
 def _count_lines(path: Path) -> int:

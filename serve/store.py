@@ -215,9 +215,26 @@ class Store:
             return self._db.execute("SELECT owner FROM batches WHERE id=?",
                                     (batch_id,)).fetchone()["owner"]
 
-    def list_batches(self, owner: str, *, after: str | None,
-                     limit: int) -> tuple[list[dict], bool]:
-        return self._page("batches", "owner=?", [owner], after, limit, "desc")
+    def list_batches(self, owner: str, *, after: str | None, limit: int,
+                     before: str | None = None, api: str | None = None) -> tuple[list[dict], bool]:
+        """A key's batches of one API (None: OpenAI's; "anthropic": message batches), newest
+        first, after (older than) or before (newer than) a cursor."""
+        where = "owner=? AND json_extract(object, '$.api') " + ("IS NULL" if api is None
+                                                                 else "= ?")
+        args = [owner] if api is None else [owner, api]
+        if before:
+            data, more = self._page("batches", where, args, before, limit, "asc")
+            return data[::-1], more
+        return self._page("batches", where, args, after, limit, "desc")
+
+    def delete_batch(self, owner: str, batch_id: str) -> bool:
+        """An ended batch gone, with its folder (its input, work directory and results)."""
+        with self._lock:
+            gone = self._db.execute("DELETE FROM batches WHERE id=? AND owner=?",
+                                    (batch_id, owner)).rowcount
+        if gone:
+            _remove(self.batch_dir(batch_id))
+        return bool(gone)
 
     def update_batch(self, batch_id: str, *, only_if: tuple[str, ...] = (), **changes) -> dict | None:
         """Apply ``changes`` to a batch object, atomically; with ``only_if``, only when its

@@ -528,6 +528,94 @@ def test_cancel_mid_run_keeps_the_results_done(server, tmp_path):
     assert all(r["response"]["status_code"] == 200 for r in results)
 
 
+def _message_requests(count: int, prefix: str) -> list[dict]:
+    """Anthropic twins of request_file's requests (greedy, 4 + i % 5 tokens each)."""
+    return [{"custom_id": f"{prefix}-{i}", "params": {
+        "model": "claude-sonnet-4-5", "max_tokens": 4 + i % 5, "temperature": 0,
+        "messages": [{"role": "user", "content": f"Say something about {i}."}]}}
+        for i in range(count)]
+
+
+def test_anthropics_client_runs_message_batches_equal_to_the_openai_results(server, tmp_path):
+    """The official anthropic client, unchanged but for base_url and the key: create,
+    retrieve, list (paged), results, cancel, delete; greedy results equal the same requests
+    as an OpenAI batch, request for request; a parameter overnight cannot honour is that
+    request's errored result; another key sees nothing; Anthropic's errors."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key=KEY,
+                                 max_retries=0)
+    requests = _message_requests(12, "m")
+    tools = {"custom_id": "tools", "params": {**requests[0]["params"],
+                                              "tools": [{"name": "x", "input_schema": {}}]}}
+    created = client.messages.batches.create(requests=[*requests, tools])
+    assert created.type == "message_batch" and created.processing_status == "in_progress"
+    assert created.id.startswith("msgbatch_") and created.results_url is None
+    assert created.request_counts.processing == 13
+
+    openai_client = server.client()
+    twins = tmp_path / "twins.jsonl"
+    twins.write_text("".join(json.dumps(request(r["custom_id"], r["params"]["messages"][0][
+        "content"], r["params"]["max_tokens"])) + "\n" for r in requests))
+    uploaded = openai_client.files.create(file=twins, purpose="batch")
+    openai_batch = openai_client.batches.create(input_file_id=uploaded.id, completion_window=
+                                                "24h", endpoint="/v1/chat/completions")
+
+    deadline = time.monotonic() + 300
+    while (batch := client.messages.batches.retrieve(created.id)).processing_status != "ended":
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.5)
+    assert batch.ended_at is not None and batch.results_url.endswith(f"/{created.id}/results")
+    assert batch.request_counts.model_dump() == {"processing": 0, "succeeded": 12,
+                                                 "errored": 1, "canceled": 0, "expired": 0}
+    results = {r.custom_id: r.result for r in client.messages.batches.results(created.id)}
+    assert sorted(results) == sorted([*(r["custom_id"] for r in requests), "tools"])
+    assert results["tools"].type == "errored"
+    assert "params.tools" in results["tools"].error.error.message
+    expected = {line["custom_id"]: line["response"]["body"] for line in lines_of(
+        openai_client, wait(openai_client, openai_batch.id)[-1].output_file_id)}
+    for r in requests:
+        message, chat = results[r["custom_id"]].message, expected[r["custom_id"]]
+        assert results[r["custom_id"]].type == "succeeded"
+        assert message.content[0].text == chat["choices"][0]["message"]["content"]
+        assert message.usage.output_tokens == chat["usage"]["completion_tokens"]
+        assert message.usage.input_tokens == chat["usage"]["prompt_tokens"]
+        assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
+            chat["choices"][0]["finish_reason"]]
+
+    # cancelled at once: every request has one result, those not reached canceled
+    second = client.messages.batches.create(requests=_message_requests(300, "c"))
+    assert client.messages.batches.cancel(second.id).processing_status in ("canceling",
+                                                                           "ended")
+    deadline = time.monotonic() + 120
+    while (ended := client.messages.batches.retrieve(second.id)).processing_status != "ended":
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.3)
+    kinds = collections.Counter(r.result.type for r in client.messages.batches.results(
+        second.id))
+    assert sum(kinds.values()) == 300 and set(kinds) <= {"succeeded", "canceled"}, kinds
+    assert ended.request_counts.canceled == kinds["canceled"] > 0
+
+    pages = list(client.messages.batches.list(limit=1))  # paged one at a time, newest first
+    assert [b.id for b in pages][:2] == [second.id, created.id]
+    assert client.messages.batches.cancel(created.id).processing_status == "ended"
+    with pytest.raises(anthropic.BadRequestError):  # a repeated custom_id: refused whole
+        client.messages.batches.create(requests=_message_requests(2, "d") * 2)
+    other = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}",
+                                api_key=OTHER_KEY, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError):
+        other.messages.batches.retrieve(created.id)
+    assert list(other.messages.batches.list()) == []
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="sk-nope-nope",
+                            max_retries=0).messages.batches.list()
+    with pytest.raises(openai.NotFoundError):  # not an OpenAI batch
+        openai_client.batches.retrieve(created.id)
+    assert client.messages.batches.delete(created.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.batches.retrieve(created.id)
+
+
 def test_a_small_batch_behind_a_large_one_finishes_first_on_the_shared_engine(server,
                                                                                tmp_path):
     """The running batches share the resident engine: 20 requests submitted after 20,000
