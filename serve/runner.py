@@ -14,7 +14,9 @@ Each batch runs as a child process, ``python -m pipelines.cli batch input.jsonl 
   killed) and is started again from those parts, ``ATTEMPTS`` runs at most; past that the
   batch fails with the results done so far, delivered as a cancel delivers them.
 
-With a resident engine (serve/engine.py) a child's job sends its requests to it: the running
+With a resident engine (serve/engine.py) a batch runs in a batch worker (serve/worker.py),
+which runs ``overnight batch`` in process, one batch after another, Ray and imports started
+once; its job sends its requests to the engine: the running
 batches share it, each with at most its share of the engine's requests in flight, so the
 engine works on all of them side by side (round robin by batch, in effect): a small batch
 started behind a large one finishes in its own time. A batch waits in the queue only while
@@ -47,6 +49,7 @@ from pipelines.storage import Location
 from pipelines.write import list_parts
 from serve.store import Store
 from serve.validate import check_input_file
+from serve.worker import Worker, WorkerRun
 
 log = logging.getLogger("overnight.serve")
 
@@ -86,6 +89,7 @@ class Runner:
         self._validate_wake, self._run_wake = threading.Event(), threading.Event()
         self._counted: dict[str, tuple[int, int]] = {}  # part path -> (requests, failed)
         self.running: dict[str, subprocess.Popen] = {}  # batch id -> its child (runner thread)
+        self._idle: list = []  # batch workers between batches (serve/worker.py)
 
     def start(self) -> None:
         for target, name in ((self._validate_loop, "validator"), (self._run_loop, "runner")):
@@ -209,7 +213,12 @@ class Runner:
                 return
             self._update_counts(batch_id)
             return
-        self._stop_child(batch_id)  # what the child started (Ray's processes) goes with it
+        if isinstance(child, WorkerRun) and child.returncode == 0 and child.worker.alive():
+            del self.running[batch_id]  # the worker, ready for the next batch
+            self.store.set_child(batch_id, None)
+            self._idle.append(child.worker)
+        else:
+            self._stop_child(batch_id)  # what the child started (Ray's processes) goes with it
         folder = self.store.batch_dir(batch_id)
         if child.returncode == 0 and self.store.update_batch(
                 batch_id, only_if=("in_progress",), status="finalizing",
@@ -250,24 +259,36 @@ class Runner:
         # a message batch (serve/anthropic.py): one results file, Anthropic's results
         files = ["--format", "anthropic"] if endpoint == ANTHROPIC_ENDPOINT else [
             "-e", str(folder / ERRORS), "--format", "openai"]
-        command = [sys.executable, "-m", "pipelines.cli", "batch", str(folder / INPUT),
-                   "-o", str(folder / RESULTS), *files,
-                   "--model", self.model, "--served-model-name", self.served_model, "--quiet"]
+        argv = ["batch", str(folder / INPUT), "-o", str(folder / RESULTS), *files,
+                "--model", self.model, "--served-model-name", self.served_model, "--quiet"]
         if config is not None:
-            command += ["--config", str(config)]
+            argv += ["--config", str(config)]
         for override in self.overrides:
-            command += ["--set", override]
+            argv += ["--set", override]
         with open(folder / "log.txt", "ab") as log_file:
             log_file.write(_RUN_MARK.encode())  # where this run's own error would start
             log_file.flush()
-            child = subprocess.Popen(
-                command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent,
-                env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"})
+            if warm:  # in a batch worker, started once (serve/worker.py)
+                child = self._worker(env).run(argv, folder / "log.txt")
+            else:
+                child = subprocess.Popen(
+                    [sys.executable, "-m", "pipelines.cli", *argv], stdout=log_file,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=_die_with_parent,
+                    env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"})
         self.store.set_child(batch_id, child.pid)
         log.info("batch %s: started (pid %d%s)", batch_id, child.pid,
                  ", on the resident engine" if warm else "")
         return child
+
+    def _worker(self, env: dict[str, str]) -> Worker:
+        """An idle batch worker, or a new one."""
+        while self._idle:
+            worker = self._idle.pop()
+            if worker.alive():
+                return worker
+        return Worker({**env, "RAY_USAGE_STATS_ENABLED": "0"},
+                      self.store.root / "workers.log")
 
     # -- counts, cancel, finalize ------------------------------------------------------------
 
@@ -281,7 +302,10 @@ class Runner:
             part = parts_dir / found.name  # superseded parts (mid-compaction) not counted
             key = str(part)
             if key not in self._counted:
-                table = pq.read_table(part, columns=["custom_id", "error"])
+                try:
+                    table = pq.read_table(part, columns=["custom_id", "error"])
+                except FileNotFoundError:  # the job committed (moved its parts) meanwhile
+                    return
                 ids = table.column("custom_id").to_pylist()
                 bad = {i for i, e in zip(ids, table.column("error").to_pylist()) if e}
                 self._counted[key] = (len(set(ids)), len(bad))
