@@ -14,8 +14,10 @@ Anthropic writes them::
      "error": {"type": "invalid_request_error", "message"}}}}
 
 One file holds every request's result, in line order (Anthropic has no error file). A parameter
-overnight cannot honour (``tools``, ``thinking``, an image block, a prefilled assistant turn) is
-that request's ``errored`` result naming it, never silently ignored.
+overnight cannot honour (``tools``, ``thinking``, a document block, a prefilled assistant turn)
+is that request's ``errored`` result naming it, never silently ignored. A user turn's ``image``
+blocks (base64, or a url fetched only where the config allows) go to a vision model as an
+OpenAI request's ``image_url`` parts do.
 
 ``stop_reason``: ``max_tokens`` (the budget ran out), ``stop_sequence`` (one of the request's
 ``stop_sequences``, then named in ``stop_sequence``), else ``end_turn``. To know which sequence
@@ -103,7 +105,8 @@ def parse_line(data: dict, reject) -> dict:
             raise reject("invalid_request", f"{where}.role: must be 'user' or 'assistant' "
                          "(the system prompt is params.system)")
         messages.append({"role": message["role"],
-                         "content": _text(message.get("content"), where + ".content", reject)})
+                         "content": _text(message.get("content"), where + ".content", reject,
+                                          images=message["role"] == "user")})
     if messages[-1]["role"] == "assistant":
         raise reject("invalid_request", f"params.messages[{len(params.messages) - 1}]: a last "
                      "assistant turn (a prefill to continue) is not supported yet; end with "
@@ -127,26 +130,52 @@ def _first(err: ValidationError, prefix: str) -> str:
     return f"{prefix}{key}: {first['msg']}" if key else first["msg"]
 
 
-def _text(content, where: str, reject) -> str:
-    """A content (a string, or a list of text blocks) as the chat template takes it."""
+def _text(content, where: str, reject, images: bool = False) -> str | list[dict]:
+    """A content (a string, or a list of text blocks) as the chat template takes it. With
+    ``images`` (a user turn), ``image`` blocks too (``source`` base64 with its media_type, or
+    a url): then the text and ``image_url`` parts in their order, as an OpenAI request's
+    content is read (pipelines/batch.py)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
         raise reject("invalid_request", f"{where}: must be a string or a list of content "
                      "blocks")
-    texts = []
+    parts = []
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image" and images:
+            parts.append({"type": "image_url", "image_url": {
+                "url": _image_url(block, f"{where}[{i}]", reject)}})
+            continue
         if kind != "text":
             raise reject("invalid_request", f"{where}[{i}]: {kind or 'a non-text'} blocks "
-                         "are not supported yet (text blocks are)")
+                         "are not supported " + ("yet (text and image blocks are)" if images
+                                                 else "here (text blocks are)"))
         extra = sorted(set(block) - {"type", "text"} - IGNORED_BLOCK_FIELDS)
         if extra or not isinstance(block.get("text"), str):
             key = extra[0] if extra else "text"
             raise reject("invalid_request", f"{where}[{i}].{key}: "
                          + ("not supported by overnight" if extra else "must be a string"))
-        texts.append(block["text"])
-    return "".join(texts)
+        parts.append({"type": "text", "text": block["text"]})
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _image_url(block: dict, where: str, reject) -> str:
+    """An image block's source as a URL: ``data:`` for base64 data, else its url."""
+    source = block.get("source")
+    extra = sorted(set(block) - {"type", "source"} - IGNORED_BLOCK_FIELDS)
+    if extra:
+        raise reject("invalid_request", f"{where}.{extra[0]}: not supported by overnight")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) \
+            and str(source.get("media_type", "")).startswith("image/"):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and str(source.get("url", "")).startswith(("http://", "https://")):
+        return source["url"]
+    raise reject("invalid_request", f"{where}.source: a base64 source (media_type image/..., "
+                 "data) or a url source (an http(s) URL)")
 
 
 def _id(prefix: str, custom_id, line: int) -> str:

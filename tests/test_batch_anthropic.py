@@ -70,10 +70,11 @@ BAD = {
     "tools": ({"custom_id": "tools", "params": {"model": "m", "max_tokens": 4, "messages": USER,
                                                 "tools": [{"name": "f", "input_schema": {}}]}},
               "params.tools: not supported by overnight"),
-    "image": ({"custom_id": "image", "params": {"model": "m", "max_tokens": 4, "messages": [
-        {"role": "user", "content": [{"type": "image", "source": {
-            "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}},
-              "params.messages[0].content[0]: image blocks are not supported yet"),
+    "document": ({"custom_id": "document", "params": {"model": "m", "max_tokens": 4,
+                                                      "messages": [
+        {"role": "user", "content": [{"type": "document", "source": {
+            "type": "text", "media_type": "text/plain", "data": "a page"}}]}]}},
+              "params.messages[0].content[0]: document blocks are not supported yet"),
     "prefill": ({"custom_id": "prefill", "params": {"model": "m", "max_tokens": 4, "messages": [
         *USER, {"role": "assistant", "content": "{"}]}},
                 "a last assistant turn (a prefill to continue) is not supported yet"),

@@ -312,6 +312,38 @@ def test_a_batch_file_with_image_url_parts_gives_the_table_jobs_texts(parity_job
     assert "data: URL or an http(s) URL" in errors[0]["error"]["message"]
 
 
+def test_a_message_batches_file_with_image_blocks_gives_the_table_jobs_texts(
+        parity_job, vision_model, folder):
+    """Anthropic's base64 image blocks, in a user turn, go to the model as the table's
+    images do: the same texts."""
+    from pipelines.batch import run_batch_file
+
+    def block(part: dict) -> dict:
+        if part["type"] == "text":
+            return part
+        media, data = part["image_url"]["url"].removeprefix("data:").split(";base64,")
+        return {"type": "image", "source": {"type": "base64", "media_type": media,
+                                            "data": data}}
+
+    rows, out, _ = parity_job
+    lines = []
+    for r in rows:
+        [message] = conversation(r["title"], r["photo_name"],
+                                 *([r["back_name"]] if r["back_name"] else []))
+        lines.append({"custom_id": r["sku"], "params": {
+            "model": "m", "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [
+                {"role": "user", "content": [block(p) for p in message["content"]]}]}})
+    requests = folder / "messages.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_batch_file(requests, folder / "messages-results.jsonl", model=vision_model,
+                   overrides=[f"engine.kv_cache_memory_bytes={KV_CACHE}", "model.dtype=float32",
+                              "model.max_model_len=512", "resources.batch_size=4"])
+    results = {r["custom_id"]: r["result"] for r in map(json.loads, (
+        folder / "messages-results.jsonl").read_text().splitlines())}
+    assert [results[r["sku"]]["message"]["content"][0]["text"] for r in rows] == \
+        out["rewritten"].to_list(), results
+
+
 # -- a server as the engine: the images go to it as data: URLs
 
 def test_a_server_as_the_engine_gets_each_rows_images_and_writes_the_same_texts(
