@@ -738,7 +738,7 @@ def test_a_batch_whose_job_dies_runs_again_from_its_parts_then_fails_with_them(s
     assert all(r["response"]["status_code"] == 200 for r in results)
 
 
-WINDOW_S = 150  # long enough for a cold job's first parts here, far shorter than its tail
+WINDOW_S = 75  # long enough for its first parts here (a block of 512 rows), far shorter than its tail
 
 
 def test_a_batch_past_its_window_expires_with_its_done_part_and_a_queued_one_never_starts(
