@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace existing result files and run every request again")
     batch.add_argument("--quiet", action="store_true", help="no progress line")
 
-    serve = sub.add_parser("serve", help="serve the OpenAI Batch API (/v1/files, /v1/batches)")
+    serve = sub.add_parser("serve", help="serve the OpenAI and Anthropic Batch APIs "
+                           "(/v1/files, /v1/batches, /v1/messages/batches)")
     serve.add_argument("--config", help="a YAML file with engine, model, sampling, resources "
                        "settings (a job's input, prompt and output sections are ignored)")
     serve.add_argument("--model", help="the local model every batch runs on (default: the "

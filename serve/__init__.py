@@ -1,9 +1,13 @@
-"""``overnight serve``: the OpenAI Batch API (``/v1/files``, ``/v1/batches``) on your own machine.
+"""``overnight serve``: the OpenAI Batch API (``/v1/files``, ``/v1/batches``) and Anthropic's
+Message Batches API (``/v1/messages/batches``) on your own machine.
 
-The server owns HTTP, state and access only; every batch runs as ``overnight batch`` does:
+The server owns HTTP, state, access and the engine; every batch runs as ``overnight batch`` does:
 
 - ``store``: files and batches in SQLite, file contents on disk, one owner (a key's hash) each;
 - ``validate``: an input file checked the way the hosted API checks it before a batch runs;
-- ``runner``: batches FIFO, one at a time, each an ``overnight batch`` child process;
-- ``app``: the FastAPI routes, bearer keys and OpenAI's error objects.
+- ``engine``: the resident engine, ``vllm serve`` on loopback, loaded once and shared;
+- ``runner``: the queue, several batches at once on that engine, each in a batch worker
+  (``worker``), or one at a time as an ``overnight batch`` child process with its own engine;
+- ``app``: the FastAPI routes, bearer keys and OpenAI's error objects; ``anthropic``: the
+  Message Batches routes, ``x-api-key`` and Anthropic's objects.
 """
