@@ -178,4 +178,8 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
           f"{settings.served_model} ({settings.model}), data {settings.data_dir}, "
           f"{len(keys)} key(s); batches page http://{settings.host}:{settings.port}/ui",
           flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    finally:
+        if resident is not None:
+            engine.stop()
