@@ -99,6 +99,13 @@ class Runner:
         self._validate_wake.set()
         self._run_wake.set()
 
+    def stop_workers(self) -> None:
+        """The batch workers' process groups killed (the server is exiting): a worker killed
+        by PDEATHSIG alone leaves its Ray's agents behind (~200 MB each measured)."""
+        for worker in [*self._idle, *(c.worker for c in list(self.running.values())
+                                      if isinstance(c, WorkerRun))]:
+            worker.kill()
+
     # -- validation --------------------------------------------------------------------------
 
     def _validate_loop(self) -> None:

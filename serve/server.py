@@ -178,8 +178,15 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
           f"{settings.served_model} ({settings.model}), data {settings.data_dir}, "
           f"{len(keys)} key(s); batches page http://{settings.host}:{settings.port}/ui",
           flush=True)
+    def stop_processes() -> None:
+        runner.stop_workers()
+        if resident is not None:
+            engine.stop()
+
+    # at shutdown: uvicorn re-raises a SIGTERM once it has stopped, so a `finally` here
+    # would not run; its shutdown event does
+    app.router.add_event_handler("shutdown", stop_processes)
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     finally:
-        if resident is not None:
-            engine.stop()
+        stop_processes()
