@@ -61,7 +61,6 @@ RESULTS, ERRORS, INPUT = "results.jsonl", "errors.jsonl", "input.jsonl"
 ATTEMPTS = 3
 DEATHS = "deaths.jsonl"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
-ANTHROPIC_ENDPOINT = "/v1/messages"  # a message batch's (serve/anthropic.py)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
@@ -194,8 +193,8 @@ class Runner:
 
         folder = self.store.batch_dir(batch_id)
         _stop_stale_child(self.store, batch_id)
-        anthropic = self.store.get_batch(None, batch_id).get("api") == "anthropic"
-        if finish_write(folder / RESULTS, None if anthropic else folder / ERRORS) is not None:
+        batch = self.store.get_batch(None, batch_id)
+        if finish_write(folder / RESULTS, _errors_file(batch, folder)) is not None:
             # the child finished; the server did not see it
             self._finalize(batch_id, "completed", only_if=("in_progress", "finalizing"))
             return
@@ -203,10 +202,9 @@ class Runner:
         if len(deaths) >= ATTEMPTS:  # given up before a restart, not yet delivered
             self._give_up(batch_id, deaths)
             return
-        batch = self.store.get_batch(None, batch_id)
         self.store.update_batch(batch_id, only_if=("in_progress",),
                                 in_progress_at=int(batch.get("in_progress_at") or time.time()))
-        self.running[batch_id] = self._launch(batch_id, folder, batch["endpoint"])
+        self.running[batch_id] = self._launch(batch_id, folder, batch)
 
     def _watch(self, batch_id: str, child: subprocess.Popen) -> None:
         """One look at a running batch: its window, a cancel, its counts; once its child has
@@ -259,13 +257,14 @@ class Runner:
                        errors=_one_error("batch_failed", message))
         log.info("batch %s: failed: %s", batch_id, message)
 
-    def _launch(self, batch_id: str, folder: Path, endpoint: str) -> subprocess.Popen:
+    def _launch(self, batch_id: str, folder: Path, batch: dict) -> subprocess.Popen:
         # an embedding batch needs a pooling engine: its own, as `overnight batch` loads it
-        warm = self.resident is not None and endpoint != "/v1/embeddings"
+        warm = self.resident is not None and batch["endpoint"] != "/v1/embeddings"
         config, env = self.resident if warm else (self.config, {})
         # a message batch (serve/anthropic.py): one results file, Anthropic's results
-        files = ["--format", "anthropic"] if endpoint == ANTHROPIC_ENDPOINT else [
-            "-e", str(folder / ERRORS), "--format", "openai"]
+        errors = _errors_file(batch, folder)
+        files = ["--format", "anthropic"] if errors is None else [
+            "-e", str(errors), "--format", "openai"]
         argv = ["batch", str(folder / INPUT), "-o", str(folder / RESULTS), *files,
                 "--model", self.model, "--served-model-name", self.served_model, "--quiet"]
         if config is not None:
@@ -338,8 +337,8 @@ class Runner:
         from pipelines.batch import finish_write, write_results
 
         folder = self.store.batch_dir(batch_id)
-        anthropic = self.store.get_batch(None, batch_id).get("api") == "anthropic"
-        errors = None if anthropic else folder / ERRORS
+        errors = _errors_file(self.store.get_batch(None, batch_id), folder)
+        anthropic = errors is None
         work = folder / f"{RESULTS}.overnight"
         parts = work / "output.partial"
         if not parts.is_dir():
@@ -435,6 +434,11 @@ def _group(pgid: int) -> list[bytes]:
         except (OSError, IndexError, ValueError):
             continue
     return commands
+
+
+def _errors_file(batch: dict, folder: Path) -> Path | None:
+    """A batch's error file; None for a message batch, whose one file holds every result."""
+    return None if batch.get("api") == "anthropic" else folder / ERRORS
 
 
 def _unfinished_results(requests: Path, results: Path, kind: str) -> None:
