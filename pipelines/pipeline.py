@@ -22,7 +22,7 @@ from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_repli
 from pipelines.storage import scrub_record
 from pipelines.watchdog import watch
 from pipelines.compact import compact
-from pipelines.reuse import plan_reuse, reuse_source, stage_reused
+from pipelines.reuse import plan_reuse, reuse_source, stage_reused, steps_carried
 from pipelines.write import (OutputStore, PartLayout, PartWriter, RetryWriter, add_steps,
                              diff_fingerprints)
 from udfs import columns
@@ -93,7 +93,8 @@ class RunSummary:
             out.append(f"resumed: {self.rows_resumed} rows were written by an earlier run")
         if self.reuse is not None:
             r = self.reuse
-            out.append(f"reused: {r['reused']} rows carried over from {r['source']} "
+            out.append(f"reused: {r['reused']} rows carried over from {r['source']}"
+                       f"{steps_carried(r)} "
                        f"({r['prompt_tokens_saved'] + r['completion_tokens_saved']} tokens "
                        f"not generated again), {r['generated']} generated, {r['dropped']} "
                        "earlier rows no longer asked for")
@@ -121,7 +122,7 @@ class RunSummary:
 
 def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int],
                   only_rows: dict[int, list[int]] | None = None, health: str | None = None,
-                  others: bool = False):
+                  others: bool = False, from_step: int | None = None):
     """The Ray Data chain; each stage is one ``map_batches`` over whole blocks."""
     replicas = plan_replicas(plan.config)
     resources = plan.config.resources
@@ -148,7 +149,10 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
             "engine": engine, "steps": plan.steps, "health": health,
             "stall_timeout_s": plan.config.engine.stall_timeout_s,
             "key_column": plan.config.input.id_column or columns.ORDINAL,
-            "keep_dropped": plan.config.output.keep_dropped})
+            "keep_dropped": plan.config.output.keep_dropped,
+            # a re-run that reuses an earlier output's first steps: their rows, staged
+            **({"states": str(layout.staging), "from_step": from_step,
+                "block_starts": layout.block_starts} if from_step is not None else {})})
     elif plan.pooling is None:
         stage = (Predictor, {**shared, "sampling": plan.sampling,
                              "output_column": plan.config.output.column})
@@ -288,7 +292,8 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         _quiet_ray_data(verbose)
         health = _Health(plan.config.engine.max_restarts, progress)
         ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name,
-                           others=not retry_errors)
+                           others=not retry_errors,
+                           from_step=(reused or {}).get("from_step"))
         try:
             # watch(): a job that writes nothing for a while says what it waits for
             for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),
@@ -325,7 +330,9 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     if config.output.dedupe:  # every input row was written with n samples, less duplicates
         summary.deduped = plan.input.num_rows * config.sampling.n - summary.rows
     summary.rows_reused = reused["reused"] if reused else 0
-    summary.rows_resumed = plan.input.num_rows - todo - summary.rows_reused
+    # (rows whose first steps were carried over ran their later steps: not done before)
+    summary.rows_resumed = plan.input.num_rows - todo - (
+        summary.rows_reused if reused and reused.get("from_step") is None else 0)
     summary.reuse = reused
     summary.seconds = time.time() - started
     summary.recovery = recovery

@@ -20,7 +20,7 @@ import pyarrow as pa
 from pipelines.adapters import adapter_sampling, adapters_fingerprint, check_adapters
 from pipelines.images import check_image_columns, check_model_takes_images, image_spec, \
     max_images
-from pipelines.request_key import KeySpec, key_columns, key_parts
+from pipelines.request_key import KeySpec, key_columns, key_parts, step_key_columns
 from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError, JobError
 from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, read_unit,
@@ -182,8 +182,12 @@ def plan_job(config: JobConfig) -> JobPlan:
     # record's: a logit_bias's token ids come back as strings)
     fingerprint = json.loads(json.dumps(scrub_record(_fingerprint(
         config, plan, max_model_len, structured)), default=str))
-    request_key = (KeySpec.of(key_parts(fingerprint), key_columns(config, variables))
-                   if columns.REQUEST_KEY in config.generated_columns() else None)
+    request_key = None
+    if columns.REQUEST_KEY in config.generated_columns():
+        step_columns = (step_key_columns(config, set(plan.schema.names))
+                        if config.steps is not None else None)
+        request_key = KeySpec.of(key_parts(fingerprint),
+                                 key_columns(config, variables, step_columns or ()), step_columns)
     return JobPlan(config=config, input=plan, render=render,
                    engine=EngineSpec(kind, config.model.name, engine_options),
                    sampling=sampling, structured=structured, pooling=pooling, steps=steps,

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
+from pipelines.reuse import steps_carried
 from pipelines.storage import Location, scrub_record
 from pipelines.write import OutputStore, list_parts
 from udfs import columns
@@ -260,6 +261,8 @@ def _reuse(reuse: dict, prices: dict | None) -> dict:
     out = {k: reuse.get(k) for k in ("source", "reused", "generated", "dropped", "failed",
                                       "why_none", "prompt_tokens_saved",
                                       "completion_tokens_saved")}
+    if reuse.get("from_step") is not None:  # a job of steps: its first steps' columns
+        out.update(from_step=reuse["from_step"], from_step_name=reuse.get("from_step_name"))
     if prices:
         out["cost_saved"] = round(reuse.get("prompt_tokens_saved", 0) / 1e6 * prices["input"]
                                   + reuse.get("completion_tokens_saved", 0) / 1e6
@@ -460,7 +463,8 @@ def report_lines(report: dict) -> list[str]:
     reuse = report.get("reuse")
     if reuse:
         saved = reuse["prompt_tokens_saved"] + reuse["completion_tokens_saved"]
-        lines.append(f"reuse        {reuse['reused']:,} rows carried over from {reuse['source']}, "
+        lines.append(f"reuse        {reuse['reused']:,} rows carried over from {reuse['source']}"
+                     f"{steps_carried(reuse)}, "
                      f"{reuse['generated']:,} generated, {reuse['dropped']:,} earlier rows no "
                      f"longer asked for; {saved:,} tokens not generated again"
                      + (f" (${reuse['cost_saved']:.4f} hosted)" if "cost_saved" in reuse else "")

@@ -29,13 +29,29 @@ class KeySpec:
     parts: str  # JSON: the job's settings that determine a generation (key_parts)
     columns: tuple[str, ...]  # the row's values in its key (ORDINAL: a seed by position)
     seeds: tuple[int, int] = (0, 0)
+    # a job of steps: the row's values each step reads (its key's columns are theirs, and the
+    # seed's key); a run whose earlier steps are unchanged keys them by its first steps alone
+    step_columns: tuple[tuple[str, ...], ...] = ()
 
     @classmethod
-    def of(cls, parts: dict, key_columns: list[str]) -> KeySpec:
+    def of(cls, parts: dict, key_columns: list[str],
+           step_columns: list[list[str]] | None = None) -> KeySpec:
         blob = json.dumps(parts, sort_keys=True, default=str)
         digest = hashlib.blake2b(blob.encode(), digest_size=16).digest()
         return cls(blob, tuple(key_columns),
-                   (int.from_bytes(digest[:8], "big"), int.from_bytes(digest[8:], "big")))
+                   (int.from_bytes(digest[:8], "big"), int.from_bytes(digest[8:], "big")),
+                   tuple(tuple(c) for c in step_columns or ()))
+
+    def first_steps(self, k: int) -> KeySpec:
+        """A job of steps: the key of a row's first ``k`` steps, what they generate (their
+        settings, the row's values they read): equal in two jobs whose first ``k`` steps are
+        the same, whatever their later steps."""
+        parts = json.loads(self.parts)
+        parts["steps"] = parts["steps"][:k]
+        every = {c for step in self.step_columns for c in step}
+        own = {c for step in self.step_columns[:k] for c in step}
+        return KeySpec.of(parts, sorted(own | (set(self.columns) - every)),
+                          [list(c) for c in self.step_columns[:k]])
 
 
 def key_parts(fingerprint: dict) -> dict:
@@ -53,9 +69,15 @@ def key_parts(fingerprint: dict) -> dict:
     return parts
 
 
-def key_columns(config, variables: list[str]) -> list[str]:
+def key_columns(config, variables: list[str], step_columns: list[list[str]] = ()) -> list[str]:
     """The row's values a generation reads: the prompt's columns, the per-row settings, and
-    the seed's key when a row may be sampled (a greedy row needs no seed)."""
+    the seed's key when a row may be sampled (a greedy row needs no seed). A job of steps:
+    each step's (``step_columns``, from ``step_key_columns``) and the seed's key."""
+    if config.steps is not None:
+        sampled = any(step.sampling.temperature > 0 for step in config.steps
+                      if step.prompt is not None)
+        names = [c for step in step_columns for c in step]
+        return sorted({*names, *[config.input.id_column or columns.ORDINAL] * sampled})
     s, p = config.sampling, config.prompt
     # a prompt's images by their values (bytes, or a path: an image changed in place under
     # the same path is not seen)
@@ -64,6 +86,28 @@ def key_columns(config, variables: list[str]) -> list[str]:
     if s.temperature > 0 or s.overrides_column is not None:
         names.append(config.input.id_column or columns.ORDINAL)
     return sorted({n for n in names if n is not None})
+
+
+def step_key_columns(config, source: set[str]) -> list[list[str]]:
+    """A job of steps: the source columns each step reads (its template's, or its messages
+    column; its filter's; its images and adapter column). An earlier step's columns it reads
+    are keyed by that step's own key, which the later step's includes."""
+    import polars as pl
+
+    from udfs.prompts import compile_template
+
+    out = []
+    for step in config.steps:
+        names = []
+        if step.where is not None:
+            names += pl.sql_expr(step.where).meta.root_names()
+        p = step.prompt
+        if p is not None:
+            names += ([p.messages_column] if p.messages_column is not None
+                      else compile_template(p.template)[1])
+            names += [*(p.images or ()), p.adapter_column]
+        out.append(sorted({n for n in names if n in source}))
+    return out
 
 
 def request_keys(table: pa.Table, spec: KeySpec) -> pa.Array:

@@ -12,6 +12,12 @@ starts; the rest run as the rows still to do of a resumed job do. The lookup is 
 key columns, never a dict of rows: both sides are hashed a block at a time and spilled to local
 files by their keys' bits, and each slice is joined by sorting, so the driver holds 12 bytes a
 new row (where its earlier outputs are) and one slice at a time.
+
+A job of steps: a row's key covers every step, and its output rows (its fan-out) are carried
+over together. When only its first steps are unchanged, both sides are keyed again by those
+steps alone (``KeySpec.first_steps``, over the earlier output's source values), and a row found
+is staged as its state after them (``_stage_states``: a hidden file a block, which
+udfs/steps.py starts the block's rows from) rather than as a part.
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ class ReusePlan:
     dropped: int = 0  # earlier rows whose request the new table no longer makes
     failed: int = 0  # earlier rows found, with an error: generated again
     why_none: str | None = None  # with nothing reused: why
+    # a job of steps whose first steps alone are unchanged: the rows found are carried over
+    # up to this step (its first), and run from there (udfs/steps.py); None: whole rows
+    from_step: int | None = None
+    from_step_name: str | None = None
     files: list = field(default_factory=list, repr=False)  # the earlier output's files
     file_rows: np.ndarray | None = field(default=None, repr=False)  # their first global rows
     at: np.ndarray | None = field(default=None, repr=False)  # int64[rows]: first earlier row, -1
@@ -65,12 +75,23 @@ class ReusePlan:
         extra = [f"{self.failed} of them failed before" if self.failed else "",
                  f"{self.dropped} earlier rows no longer asked for (removed or changed)"
                  if self.dropped else ""]
-        return line + "".join(f"; {e}" for e in extra if e)
+        return line + "".join(f"; {e}" for e in extra if e) + steps_carried(self.record())
 
     def record(self) -> dict:
         return {"source": self.source, "rows": self.rows, "reused": self.reused,
                 "generated": self.generated, "dropped": self.dropped, "failed": self.failed,
-                "why_none": self.why_none}
+                "why_none": self.why_none, "from_step": self.from_step,
+                "from_step_name": self.from_step_name}
+
+
+def steps_carried(reuse: dict) -> str:
+    """What of a job of steps' rows was carried over, when not the whole rows: words to add
+    to a line about the rows reused."""
+    if reuse.get("from_step") is None:
+        return ""
+    name = reuse.get("from_step_name")
+    return (f" (the steps before {name!r}: {name!r} and the steps after it run for every row)"
+            if name else " (their first steps' columns)")
 
 
 def reuse_source(config) -> Location | None:
@@ -103,8 +124,24 @@ def plan_reuse(plan, source: Location) -> ReusePlan:
     earlier = json.loads((schema.metadata or {}).get(columns.JOB_METADATA, b"{}"))
     spec = plan.request_key
     theirs = earlier.get("request_key")
-    if theirs is not None and theirs != json.loads(spec.parts):  # every key differs
-        result.why_none = f"{', '.join(changed_keys(theirs, json.loads(spec.parts)))} changed"
+    ours = json.loads(spec.parts)
+    rekey = None  # the earlier rows' keys: their request_key column
+    if spec.step_columns:  # a job of steps: its first steps may be all that is unchanged
+        k, why = _unchanged_steps(theirs, ours)
+        if k is not None and (k < len(ours["steps"]) or k < len(theirs["steps"])):
+            result.from_step = k
+            result.from_step_name = ours["steps"][k]["name"] if k < len(ours["steps"]) else None
+            spec = rekey = spec.first_steps(k)  # keyed again, by those steps alone
+    else:
+        why = (f"{', '.join(changed_keys(theirs, ours))} changed"
+               if theirs is not None and theirs != ours else None)
+    if rekey is not None and why is None:
+        missing = [c for c in rekey.columns
+                   if (c if c != columns.ORDINAL else columns.ROW_ID) not in schema.names]
+        if missing:
+            why = f"the earlier output has no column {missing[0]!r}"
+    if why is not None:  # every key differs
+        result.why_none = why
         result.earlier_rows = result.dropped = _rows(files)  # (rows, not input rows: about)
         return result
     with tempfile.TemporaryDirectory(prefix="overnight-reuse-") as spill:
@@ -112,7 +149,7 @@ def plan_reuse(plan, source: Location) -> ReusePlan:
         new = _Spill(spill, "new", slices)
         _spill_new(plan, spec, new)
         old = _Spill(spill, "old", slices)
-        result.file_rows = _spill_old(files, old)
+        result.file_rows = _spill_old(files, old, rekey, theirs or {})
         result.earlier_rows = old.rows
         result.at = np.full(plan.input.num_rows, -1, np.int64)
         result.count = np.zeros(plan.input.num_rows, np.int32)
@@ -137,6 +174,32 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         else:
             out.append(name)
     return out or ["the settings"]
+
+
+def _unchanged_steps(theirs: dict | None, ours: dict) -> tuple[int | None, str | None]:
+    """A job of steps: how many of its first steps the earlier job had the same, all its
+    other settings the same too; or why none of its rows can be carried over."""
+    if theirs is None or "steps" not in theirs:
+        return None, "the earlier output is not of a job of steps"
+    rest = lambda parts: {k: v for k, v in parts.items() if k != "steps"}  # noqa: E731
+    if rest(theirs) != rest(ours):
+        return None, f"{', '.join(changed_keys(rest(theirs), rest(ours)))} changed"
+    k = 0
+    while k < min(len(theirs["steps"]), len(ours["steps"])) and \
+            theirs["steps"][k] == ours["steps"][k]:
+        k += 1
+    if k == 0:
+        return None, f"steps[0] ({ours['steps'][0]['name']}) changed"
+    later = theirs["steps"][k:]
+    dropping = next((s for s in later if s.get("where") is not None or s.get("explode") or
+                     (s.get("prompt") or {}).get("on_too_long") == "skip"), None)
+    if dropping is not None and not (theirs.get("output") or {}).get("keep_dropped"):
+        # a row its later step dropped is not in the earlier output at all
+        changed = ours["steps"][k]["name"] if k < len(ours["steps"]) else "the steps after"
+        return None, (f"steps[{k}] ({changed}) changed, and the earlier job's step "
+                      f"{dropping['name']!r} after it drops rows, which its output does "
+                      "not hold (output.keep_dropped: true keeps them for a next run)")
+    return k, None
 
 
 def _parts(source: Location):
@@ -201,26 +264,46 @@ def _spill_new(plan, spec: KeySpec, spill: _Spill) -> None:
             spill.add(records)
 
 
-def _spill_old(files: list[Location], spill: _Spill) -> np.ndarray:
-    """Each earlier input row (a run of its samples: one key, sample_index from 0): its key,
-    first row (across the files), samples, and whether all of them succeeded. Returns each
-    file's first row, and the rows in all, last."""
+def _spill_old(files: list[Location], spill: _Spill, rekey: KeySpec | None = None,
+               theirs: dict | None = None) -> np.ndarray:
+    """Each earlier input row (a run of its samples: one key, sample_index from 0; of a job
+    of steps, its rows: one key and one id): its key, first row (across the files), rows,
+    and whether all of them succeeded. Returns each file's first row, and the rows in all,
+    last. ``rekey``: the rows keyed again by it, from their own values, not read from their
+    request_key; ``theirs``: the earlier job's key parts."""
     starts = [0]
     for file in files:
         with file.open() as handle:
             reader = pq.ParquetFile(handle)
             names = reader.schema_arrow.names
+            # an input row's rows: of a job of steps, one id (row_id, or the job's id column)
+            same = (columns.ROW_ID if columns.ROW_ID in names
+                    else ((theirs or {}).get("input") or {}).get("id_column"))
             wanted = [columns.REQUEST_KEY, columns.ERROR,
-                      *([columns.SAMPLE_INDEX] if columns.SAMPLE_INDEX in names else [])]
-            table = reader.read(columns=wanted)
+                      *([columns.SAMPLE_INDEX] if columns.SAMPLE_INDEX in names else []),
+                      *([same] if same in names else [])]
+            if rekey is not None:
+                wanted += [c if c != columns.ORDINAL else columns.ROW_ID for c in rekey.columns]
+            table = reader.read(columns=list(dict.fromkeys(wanted)))
         n = table.num_rows
         if n:
-            high, low, valid = key_words(table.column(columns.REQUEST_KEY))
+            if rekey is None:
+                high, low, valid = key_words(table.column(columns.REQUEST_KEY))
+            else:
+                if columns.ORDINAL in rekey.columns:  # a seed by the row's position then
+                    table = table.append_column(columns.ORDINAL, table.column(columns.ROW_ID))
+                high, low = request_words(table, rekey)
+                valid = table.column(columns.REQUEST_KEY).is_valid().to_numpy(
+                    zero_copy_only=False)
             new_run = np.ones(n, bool)
             new_run[1:] = (high[1:] != high[:-1]) | (low[1:] != low[:-1])
             if columns.SAMPLE_INDEX in wanted:
                 new_run |= table.column(columns.SAMPLE_INDEX).to_numpy(
                     zero_copy_only=False) == 0
+            if same in table.column_names:
+                ids = table.column(same).combine_chunks()
+                new_run[1:] |= ~pc.fill_null(pc.equal(ids[1:], ids[:-1]), False).to_numpy(
+                    zero_copy_only=False)
             firsts = np.flatnonzero(new_run)
             failed = table.column(columns.ERROR).is_valid().to_numpy(zero_copy_only=False)
             failed |= ~valid
@@ -290,7 +373,14 @@ def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
     from pipelines.write.writers import _runs
 
     writer = PartWriter(layout)
-    carried = [c for c in layout.added_columns if c not in (columns.ROW_ID, columns.REQUEST_KEY)]
+    steps = plan.config.steps
+    if reuse.from_step is not None:  # a job of steps: its first steps' columns, as states
+        thinking = plan.config.model.reasoning_parser is not None
+        carried = [c for step in steps[:reuse.from_step] for c in step.added_columns(thinking)]
+        carried += [columns.DROPPED_BY] * plan.config.output.keep_dropped
+    else:
+        carried = [c for c in layout.added_columns
+                   if c not in (columns.ROW_ID, columns.REQUEST_KEY)]
     buckets = _buckets([b for b in plan.input.blocks if b.ordinal not in done])
     starts = np.asarray([bucket[0].ordinal for bucket in buckets], np.int64)
     ends = np.asarray([bucket[-1].ordinal + bucket[-1].num_rows for bucket in buckets],
@@ -328,6 +418,11 @@ def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
                                      promote_options="permissive")
             # (a stable sort: each row's samples stay in sample order)
             found = found.take(pc.sort_indices(found, [(columns.ORDINAL, "ascending")]))
+            if reuse.from_step is not None:
+                saved["rows"] += _stage_states(found, blocks, steps[:reuse.from_step], layout)
+                for name, tokens in _step_tokens(found, steps[:reuse.from_step]).items():
+                    saved[name] += tokens
+                continue
             ordinals = found.column(columns.ORDINAL).to_numpy()
             source = pa.concat_tables([t for unit in read_units(blocks)
                                        for t in read_unit(unit, plan.input.schema)])
@@ -336,12 +431,63 @@ def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
                 rows = rows.append_column(name, found.column(name))
             for run in _whole_blocks_joined(_runs(rows.column(columns.ORDINAL),
                                                   layout.block_starts), ordinals, layout):
-                record = writer._write_run(rows.take(run), None)
-                saved["prompt_tokens"] += record["prompt_tokens"]
-                saved["completion_tokens"] += record["completion_tokens"]
+                # (a job of steps' part: its input rows by its name, a row its filter
+                # dropped is not in it)
+                record = writer._write_run(rows.take(run), [] if steps else None)
                 saved["rows"] += record["input_rows"]
+                if not steps:
+                    saved["prompt_tokens"] += record["prompt_tokens"]
+                    saved["completion_tokens"] += record["completion_tokens"]
+            if steps:
+                for name, tokens in _step_tokens(found, steps).items():
+                    saved[name] += tokens
             del found, source, rows
     return saved
+
+
+def _stage_states(found: pa.Table, blocks: list, steps: list, layout) -> int:
+    """A job of steps run again from a changed step: each found row's state after the steps
+    before it (one per fan-out of those steps: the first of its earlier rows), a file a block
+    in staging, which the block's run starts from (udfs/steps.py). Returns the input rows."""
+    import polars as pl
+
+    from udfs.steps import STATES  # (hidden: not a part; the commit clears it)
+
+    index = [columns.step_column(s.output_column, "index") for s in steps
+             if s.output_column is not None and (s.explode or s.sampling.n > 1)]
+    frame = pl.from_arrow(found).unique([columns.ORDINAL, *index], keep="first",
+                                        maintain_order=True)
+    if columns.DROPPED_BY in frame.columns:  # dropped by a later step: not by these
+        frame = frame.with_columns(pl.when(pl.col(columns.DROPPED_BY).is_in(
+            [s.name for s in steps])).then(pl.col(columns.DROPPED_BY)).alias(columns.DROPPED_BY))
+    states = frame.to_arrow().cast(found.schema)  # (polars' strings are large ones)
+    ordinals = states.column(columns.ORDINAL).to_numpy()
+    staging = Location.of(layout.staging)
+    for block in blocks:
+        inside = (ordinals >= block.ordinal) & (ordinals < block.ordinal + block.num_rows)
+        if inside.any():
+            part = states.filter(pa.array(inside))
+            (staging / STATES.format(block.ordinal)).write(lambda tmp: pq.write_table(part, tmp))
+    return len(np.unique(ordinals))
+
+
+def _step_tokens(found: pa.Table, steps: list) -> dict:
+    """A job of steps' rows carried over: the tokens each step generated for them, each
+    generation once (a fan-out's later steps repeat an earlier step's columns)."""
+    import polars as pl
+
+    frame = pl.from_arrow(found)
+    out, index = {"prompt_tokens": 0, "completion_tokens": 0}, []
+    for step in steps:
+        c = step.output_column
+        if c is None:
+            continue
+        if step.explode or step.sampling.n > 1:
+            index.append(columns.step_column(c, "index"))
+        once = frame.unique([columns.ORDINAL, *index], keep="first")
+        for total in out:
+            out[total] += int(once[columns.step_column(c, total)].fill_null(0).sum())
+    return out
 
 
 def _whole_blocks_joined(runs: list, ordinals: np.ndarray, layout) -> list:

@@ -253,14 +253,128 @@ def test_reuse_tells_in_one_line_what_it_cannot_use(tiny_model, reuse_tables, tm
     assert before.returncode == 0, before.stderr
     assert (f"reuse: 0 of {ROWS} rows reusable from {old}; {ROWS} to generate (the earlier "
             "output has no request_key column") in before.stdout
-    steps = tmp_path / "steps.yaml"
-    raw = config(tiny_model, root, "v2.parquet", "nowhere")
-    raw["steps"] = [{"name": "a", "prompt": raw.pop("prompt"), "sampling": raw.pop("sampling")}]
-    raw["output"] = {"path": raw["output"]["path"], "reuse": True}
-    steps.write_text(yaml.safe_dump(raw))
-    refused = overnight("validate", steps)
+    deduped = tmp_path / "deduped.yaml"
+    deduped.write_text(yaml.safe_dump(config(
+        tiny_model, root, "v2.parquet", "nowhere", output={"reuse": True, "dedupe": True},
+        sampling={"temperature": 0.8, "n": 2})))
+    refused = overnight("validate", deduped)
     assert refused.returncode == 2
-    assert "output.reuse does not apply to a job with steps yet" in refused.stderr
+    assert "output.reuse does not apply to output.dedupe" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+# A job of steps: a sampled step with two samples a row, then a greedy judge of each sample
+REWRITE = {"name": "rewrite", "prompt": {"template": "Rewrite: {{ title }}\n{{ description }}"},
+           "sampling": {"temperature": 0.8, "seed": 5, "n": 2, "max_tokens": 8}}
+JUDGE, JUDGE_AGAIN = "Is this good? {{ rewrite }}", "Rate it, 1 to 5: {{ rewrite }}"
+
+
+def steps_config(tiny_model, root: Path, table: str, out: str, judge: str = JUDGE,
+                 more: tuple = (), **sections) -> dict:
+    raw = config(tiny_model, root, table, out, input={"id_column": "sku"}, **sections)
+    del raw["prompt"], raw["sampling"], raw["output"]["column"]
+    return {**raw, "steps": [REWRITE, {"name": "judge", "prompt": {"template": judge},
+                                       "sampling": {"temperature": 0.0, "max_tokens": 6}},
+                             *more]}
+
+
+@pytest.fixture(scope="session")
+def steps_runs(tiny_model, reuse_tables, ray_cluster):
+    """A job of steps over the first table; over the second reusing it, and from scratch;
+    then with its last step's prompt changed, reusing the second's, and from scratch."""
+    root = reuse_tables
+
+    def job(table, out, judge=JUDGE, **sections):
+        return load_config(steps_config(tiny_model, root, table, out, judge, **sections))
+
+    run_job(job("v1.parquet", "steps"))
+    rows = validate_job(job("v2.parquet", "steps", output={"reuse": True})).reuse
+    whole = run_job(job("v2.parquet", "steps", output={"reuse": True}))
+    run_job(job("v2.parquet", "steps-scratch"))
+    before = pl.read_parquet(root / "steps")
+    last = validate_job(job("v2.parquet", "steps", JUDGE_AGAIN, output={"reuse": True})).reuse
+    judged = run_job(job("v2.parquet", "steps", JUDGE_AGAIN, output={"reuse": True}))
+    run_job(job("v2.parquet", "steps-judged-scratch", JUDGE_AGAIN))
+    return {"rows": rows, "whole": whole, "last": last, "judged": judged, "before": before}
+
+
+def test_a_job_of_steps_run_again_equals_a_from_scratch_run_with_its_samples_together(
+        steps_runs, reuse_tables):
+    out = pl.read_parquet(reuse_tables / "steps")  # (by now: after the judge changed)
+    before = steps_runs["before"]
+    assert before.equals(pl.read_parquet(reuse_tables / "steps-scratch"))
+    assert before.height == 2 * ROWS and before["rewrite_index"].to_list()[:4] == [0, 1, 0, 1]
+    counts = expected_counts()
+    assert {k: steps_runs["whole"].reuse[k] for k in counts} == counts
+    c = counts
+    assert steps_runs["rows"] == (f"reuse: {c['reused']} of {ROWS} rows reusable from "
+                                  f"{reuse_tables / 'steps'}; {c['generated']} to generate; "
+                                  f"{c['failed']} of them failed before; {c['dropped']} earlier "
+                                  "rows no longer asked for (removed or changed)")
+    assert out.equals(pl.read_parquet(reuse_tables / "steps-judged-scratch"))
+
+
+def test_a_changed_last_step_is_all_a_job_of_steps_generates_again(steps_runs, reuse_tables):
+    """The first step's samples carried over as they were, the judge run on each of them;
+    validate said so before, and the report counts the first step's tokens as saved."""
+    before, judged = steps_runs["before"], steps_runs["judged"]
+    out = pl.read_parquet(reuse_tables / "steps")
+    ok = before.filter(pl.col("error").is_null())
+    carried = out.join(ok.select("sku", "rewrite_index", "rewrite", "rewrite_completion_tokens"),
+                       on=["sku", "rewrite_index"], suffix="_before")
+    assert carried.height == ok.height == 2 * (ROWS - len(NULLS))
+    assert carried["rewrite"].to_list() == carried["rewrite_before"].to_list()
+    assert (out["judge"] != before["judge"]).any()  # judged again, by the other prompt
+    reuse = judged.reuse
+    assert reuse["reused"] == ROWS - len(NULLS) and reuse["from_step_name"] == "judge"
+    assert reuse["completion_tokens_saved"] == ok["rewrite_completion_tokens"].sum()
+    assert steps_runs["last"] == (
+        f"reuse: {ROWS - len(NULLS)} of {ROWS} rows reusable from {reuse_tables / 'steps'}; "
+        f"{len(NULLS)} to generate; {len(NULLS)} of them failed before (the steps before "
+        "'judge': 'judge' and the steps after it run for every row)")
+    from pipelines.report import report_lines
+
+    line = next(x for x in report_lines(judged.report) if x.startswith("reuse"))
+    assert "the steps before 'judge'" in line
+
+
+def test_a_job_of_steps_asks_the_engine_only_for_its_changed_rows_and_steps(
+        tiny_model, reuse_tables, tmp_path):
+    """Counted by the stand-in engine (a sequence a request): the first table (each row's two
+    rewrites, then a judge of each); the second reusing it (the new and edited rows' alone);
+    the second with the judge's prompt changed (the judge alone, of every rewrite); a filter
+    added after the last step (nothing). A change of a step before that filter reuses
+    nothing: the rows the filter dropped are not in the output; validate says so."""
+    root = reuse_tables
+    requests = tmp_path / "requests.txt"
+    env = {**os.environ, "OVERNIGHT_BENCH_STANDIN": "1",
+           "OVERNIGHT_BENCH_REQUESTS": str(requests),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "standin"), str(REPO)])}
+
+    path = tmp_path / "job.yaml"
+
+    def run(table: str, *flags: str, judge: str = JUDGE, more: tuple = ()) -> int:
+        path.write_text(yaml.safe_dump(steps_config(tiny_model, root, table, "steps-counted", judge,
+                                                    more)))
+        requests.unlink(missing_ok=True)
+        done = overnight("run", path, "--quiet", *flags, env=env)
+        assert done.returncode == 0, done.stderr
+        return sum(int(n) for n in requests.read_text().split()) if requests.exists() else 0
+
+    rows = ROWS - len(NULLS)  # (a null row fails at its first step, before the engine)
+    assert run("v1.parquet") == 2 * rows + 2 * rows
+    new = len(EDITED) + ADDED
+    assert run("v2.parquet", "--reuse") == 2 * new + 2 * new
+    assert run("v2.parquet", "--reuse", judge=JUDGE_AGAIN) == 2 * rows
+    keep = ({"name": "keep", "where": "length(judge) > 3"},)
+    assert run("v2.parquet", "--reuse", judge=JUDGE_AGAIN, more=keep) == 0
+    path.write_text(yaml.safe_dump(steps_config(tiny_model, root, "v2.parquet", "steps-counted",
+                                                more=keep)))
+    said = overnight("validate", path, "--reuse", env=env)
+    assert said.returncode == 0, said.stderr
+    assert ("(steps[1] (judge) changed, and the earlier job's step 'keep' after it drops "
+            "rows, which its output does not hold (output.keep_dropped: true keeps them for a "
+            "next run))") in said.stdout
 
 
 def test_a_batch_file_run_again_after_an_edit_generates_only_its_new_and_changed_lines(

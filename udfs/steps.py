@@ -30,7 +30,9 @@ parser (a thinking model) C is the answer, C_reasoning the thinking and C_reason
 tokens, and a row whose thinking used the step's budget is that step's ``no_answer`` error.
 The job-level columns hold each row's totals. Every request's seed derives from the job's
 seed, the step and the row's place in the fan-out, so a resumed or re-run job generates the
-same rows.
+same rows. A re-run that reuses an earlier output whose first steps are unchanged
+(pipelines/reuse.py) hands a block's rows their state after those steps (``STATES``): such a
+row goes on from the first changed step, with the seed keys and totals those steps left.
 """
 
 from __future__ import annotations
@@ -114,10 +116,15 @@ class StepsPredictor:
 
     def __init__(self, engine: EngineSpec, steps: tuple[StepSpec, ...], key_column: str,
                  keep_dropped: bool = False, health: str | None = None,
-                 stall_timeout_s: float | None = None):
+                 stall_timeout_s: float | None = None, states: str | None = None,
+                 from_step: int = 0, block_starts: tuple[int, ...] = ()):
         self.steps = steps
         self.key_column = key_column
         self.keep_dropped = keep_dropped
+        # a re-run reusing an earlier output's first steps (pipelines/reuse.py): the folder of
+        # the blocks' carried rows (STATES, a file a block, named by the block's first row),
+        # and the step they go on from
+        self.states, self.from_step, self.block_starts = states, from_step, list(block_starts)
         first = next(s for s in steps if s.render is not None)
         # the first generating step builds the engine; the others share it (and its render
         # lock, recovery and replica label)
@@ -139,6 +146,24 @@ class StepsPredictor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         block = (batch.column(columns.ORDINAL)[0].as_py()
                  if batch.num_rows and columns.ORDINAL in batch.column_names else -1)
+        carried = self._carried(batch)
+        if carried is None:
+            state, counts = self._run(self._start(batch), 0, block)
+        else:  # rows whose first steps an earlier output holds: on from the step after them
+            ordinals = carried.column(columns.ORDINAL).to_numpy()
+            fresh = ~pc.is_in(batch.column(columns.ORDINAL), pa.array(ordinals)).to_numpy(
+                zero_copy_only=False)
+            state, counts = self._run(self._start(batch.filter(pa.array(fresh))), 0, block)
+            later, more = self._run(self._resumed(batch, carried), self.from_step, block)
+            counts = [_add_counts(a, b) for a, b in zip(counts, [None] * self.from_step + more)]
+            later = later.select(state.column_names)
+            state = pa.concat_tables([state, later], promote_options="permissive")
+            state = state.take(pc.sort_indices(state, [(columns.ORDINAL, "ascending")]))
+        release_free_memory()
+        return self._finish(state, counts)
+
+    def _start(self, batch: pa.Table) -> pa.Table:
+        """The block's rows before the first step: their seed keys, no error, no tokens."""
         state = batch.append_column(_KEY, pa.array(
             [json.dumps(k, default=str) for k in batch.column(self.key_column).to_pylist()],
             pa.string()))
@@ -148,14 +173,63 @@ class StepsPredictor:
             state = state.append_column(name, pa.nulls(n, type_))
         for name in (_PROMPT, _COMPLETION, _REASONING):
             state = state.append_column(name, pa.array([0] * n, pa.int64()))
+        return state
+
+    def _run(self, state: pa.Table, first: int, block: int) -> tuple[pa.Table, list[dict]]:
+        """The steps from ``first`` on, in turn; with each step's counts."""
         counts = []
-        for step in self.steps:
+        for step in self.steps[first:]:
             started = time.time()
             state, count = self._step(step, state, block)
             counts.append({"name": step.name, **count,
                            "seconds": round(time.time() - started, 3)})
-        release_free_memory()
-        return self._finish(state, counts)
+        return state, counts
+
+    def _carried(self, batch: pa.Table) -> pa.Table | None:
+        """The batch's rows' states an earlier output held (their first steps' columns, a
+        row for each of their fan-out), from the block's file; None: none."""
+        if self.states is None or batch.num_rows == 0:
+            return None
+        ordinals = batch.column(columns.ORDINAL)
+        start = pc.min(ordinals).as_py()
+        table = _read_states(self.states, start, self.block_starts)
+        if table is None:
+            return None
+        table = table.filter(pc.is_in(table.column(columns.ORDINAL), ordinals.combine_chunks()
+                                      if isinstance(ordinals, pa.ChunkedArray) else ordinals))
+        return table if table.num_rows else None
+
+    def _resumed(self, batch: pa.Table, carried: pa.Table) -> pa.Table:
+        """The carried rows as they would stand after the steps before ``from_step``: their
+        source values, those steps' columns, seed keys and totals as those steps left them."""
+        at = {o: i for i, o in enumerate(batch.column(columns.ORDINAL).to_pylist())}
+        rows = batch.take(pa.array([at[o] for o in carried.column(columns.ORDINAL).to_pylist()],
+                                   pa.int64()))
+        state = self._start(rows)
+        for name in carried.column_names:
+            if name not in (columns.ORDINAL, columns.DROPPED_BY):
+                state = state.append_column(name, carried.column(name))
+        if columns.DROPPED_BY in carried.column_names:  # dropped by one of those steps
+            state = _replace(state, _DROPPED_BY, carried.column(columns.DROPPED_BY))
+        key = state.column(_KEY)
+        finish = None
+        for step in self.steps[:self.from_step]:
+            if step.column is None:
+                continue
+            key = pc.binary_join_element_wise(pa.scalar(step.name), key, "/")
+            if step.fan_out:
+                index = pc.fill_null(state.column(columns.step_column(step.column, "index")), 0)
+                key = pc.binary_join_element_wise(key, pc.cast(index, pa.string()), "#")
+            for total, own in ((_PROMPT, columns.PROMPT_TOKENS),
+                               (_COMPLETION, columns.COMPLETION_TOKENS),
+                               (_REASONING, columns.REASONING_TOKENS)):
+                name = columns.step_column(step.column, own)
+                if name in state.column_names:
+                    state = _replace(state, total, pc.add(state.column(total),
+                                                          pc.fill_null(state.column(name), 0)))
+            finish = state.column(columns.step_column(step.column, columns.FINISH_REASON))
+        state = _replace(state, _KEY, key)
+        return _replace(state, _FINISH, finish) if finish is not None else state
 
     def _step(self, step: StepSpec, state: pa.Table, block: int) -> tuple[pa.Table, dict]:
         live = [i for i, (kind, dropped) in enumerate(zip(
@@ -282,6 +356,33 @@ class StepsPredictor:
     def close(self) -> None:
         if self.base is not None:
             self.base.close()
+
+
+def _read_states(folder: str, start: int, starts: list[int]) -> pa.Table | None:
+    """The carried rows of the block holding ordinal ``start`` (its file is named by the
+    block's first ordinal), or None."""
+    import bisect
+
+    import fsspec  # (as pipelines/storage.py reaches an object store; it comes with Ray)
+    import pyarrow.parquet as pq
+
+    first = starts[max(bisect.bisect_right(starts, start) - 1, 0)]
+    try:
+        with fsspec.open(f"{folder.rstrip('/')}/{STATES.format(first)}", "rb") as handle:
+            return pq.read_table(handle)
+    except FileNotFoundError:
+        return None
+
+
+def _add_counts(a: dict | None, b: dict | None) -> dict:
+    """One step's counts over two sets of rows."""
+    if a is None or b is None:
+        return a or b
+    return {k: (a[k] + b[k] if isinstance(a[k], (int, float)) and k != "name" else a[k])
+            for k in a}
+
+
+STATES = ".reuse-state-{:012d}.parquet"  # a block's carried rows, in staging (pipelines/reuse.py)
 
 
 def step_types(step: StepSpec, index: bool = True) -> dict[str, pa.DataType]:

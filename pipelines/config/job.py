@@ -197,8 +197,7 @@ class JobConfig(_Strict):
         """output.reuse: what a row's request key covers today (pipelines/reuse.py)."""
         if not (self.output.reuse or self.output.reuse_from):
             return self
-        what = ("a job with steps" if self.steps is not None
-                else f"task: {self.task}" if self.task != "generate"
+        what = (f"task: {self.task}" if self.task != "generate"
                 else "output.dedupe (a row's samples are carried over whole)"
                 if self.output.dedupe else None)
         if what is not None:
@@ -253,7 +252,8 @@ class JobConfig(_Strict):
                 totals.insert(totals.index(columns.COMPLETION_TOKENS) + 1,
                               columns.REASONING_TOKENS)
             added += [columns.DROPPED_BY] * self.output.keep_dropped + totals
-            return ([columns.ROW_ID] if self.input.id_column is None else []) + added
+            return [*([columns.ROW_ID] if self.input.id_column is None else []), *added,
+                    columns.REQUEST_KEY]
         if self.task != "generate":
             return self._pooling_columns()
         added = [self.output.column, *columns.GENERATED]
