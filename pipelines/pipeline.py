@@ -9,7 +9,7 @@ import json
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 
 from pipelines.config import JobConfig
@@ -22,7 +22,8 @@ from pipelines.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_repli
 from pipelines.storage import scrub_record
 from pipelines.watchdog import watch
 from pipelines.compact import compact
-from pipelines.reuse import plan_reuse, reuse_source, stage_reused, steps_carried
+from pipelines.reuse import (LARGE_ROWS, carry_over_on_ray, plan_reuse, reuse_source,
+                             stage_reused, steps_carried)
 from pipelines.write import (OutputStore, PartLayout, PartWriter, RetryWriter, add_steps,
                              diff_fingerprints)
 from udfs import columns
@@ -213,13 +214,14 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
     With ``retry_errors``, only the rows of the committed output whose ``error`` is set run
     again, and their new results replace the old ones. The output is this run's alone from
     start to end: a second run of it at once is refused in one line."""
-    with OutputStore(config.output.path).locked():
+    # (the session: a Ray started early, for a large table's reuse, is stopped at the end)
+    with OutputStore(config.output.path).locked(), ExitStack() as session:
         return _run_job(config, overwrite=overwrite, retry_errors=retry_errors,
-                        progress=progress, verbose=verbose)
+                        progress=progress, verbose=verbose, session=session)
 
 
 def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
-             progress: Progress | None, verbose: bool) -> RunSummary:
+             progress: Progress | None, verbose: bool, session: ExitStack) -> RunSummary:
     started = time.time()
     if retry_errors and config.steps is not None:
         raise JobError("--retry-errors does not apply to a job with steps yet (a row's steps "
@@ -273,8 +275,10 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     reused = None
     if reusing is not None:  # the rows found, staged as parts before any engine starts
         staging_started = time.time()
+        if isinstance(reusing, _LookUpInRay):  # Ray now, for the task (and the job after)
+            session.enter_context(ray_session(config.resources.address, verbose=verbose))
         with stage("staging the reused rows"):
-            reused = _stage_reuse(plan, store, reusing, layout, done)
+            reused = _stage_reuse(plan, store, reusing, layout, done, progress)
         reuse_s += time.time() - staging_started
         done = store.resume(block_starts, plan.input.num_rows)
         only_rows = store.remaining or None
@@ -431,20 +435,33 @@ def _plan_reuse(plan: JobPlan, store: OutputStore, progress: Progress):
         progress.say(f"reuse: no earlier output at {plan.config.output.path} yet; every row "
                      "is generated")
         return None
+    if plan.input.num_rows >= LARGE_ROWS:
+        return _LookUpInRay(source)  # found and staged in one Ray task: _stage_reuse
     with stage("finding the rows to reuse"):
         found = plan_reuse(plan, source)
     progress.say(found.line())
     return found
 
 
+@dataclass
+class _LookUpInRay:
+    """A large table's rows to reuse: looked up and staged in a Ray task, not the driver."""
+
+    source: object  # a Location
+
+
 def _stage_reuse(plan: JobPlan, store: OutputStore, found, layout: PartLayout,
-                 done: set[int]) -> dict:
+                 done: set[int], progress: Progress) -> dict:
     """The rows found, written as parts; the record says so, so that a resumed run does not
     look for them again."""
     if isinstance(found, dict):  # a resumed run's: staged already
         return found
-    saved = stage_reused(plan, found, layout, done)
-    reused = {**found.record(), "reused": saved["rows"],
+    if isinstance(found, _LookUpInRay):
+        record, saved, line = carry_over_on_ray(plan, found.source, layout, done)
+        progress.say(line)
+    else:
+        record, saved = found.record(), stage_reused(plan, found, layout, done)
+    reused = {**record, "reused": saved["rows"],
               "generated": plan.input.num_rows - saved["rows"],
               "prompt_tokens_saved": saved["prompt_tokens"],
               "completion_tokens_saved": saved["completion_tokens"]}

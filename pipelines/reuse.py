@@ -10,7 +10,7 @@ earlier output's (``plan_reuse``), then stages the rows found as parts, their ge
 beside the new table's values in the new table's order (``stage_reused``), before any engine
 starts; the rest run as the rows still to do of a resumed job do. The lookup is a join of two
 key columns, never a dict of rows: both sides are hashed a block at a time and spilled to local
-files by their keys' bits, and each slice is joined by sorting, so the driver holds 12 bytes a
+files by their keys' bits, and each slice is joined by sorting, so the driver holds 5 bytes a
 new row (where its earlier outputs are) and one slice at a time.
 
 A job of steps: a row's key covers every step, and its output rows (its fan-out) are carried
@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.errors import OutputError
+from pipelines.errors import JobError, OutputError
 from pipelines.request_key import KeySpec, key_words, request_words
 from pipelines.storage import Location
 from pipelines.write.parts import list_parts
@@ -40,6 +40,10 @@ from pipelines.write.store import OutputStore
 from udfs import columns
 
 SLICE_ROWS = 500_000  # keys joined at once, about (each side)
+# A run over a table this large looks up and stages its rows in a Ray task on the driver's
+# node (``carry_over_on_ray``): the lookup's arrays and the staging's blocks are that task's
+# memory, and the driver's stays what a first run's is
+LARGE_ROWS = 1_000_000
 BUCKET_ROWS = 200_000  # carried rows gathered at once into the new table's order, about
 
 
@@ -98,7 +102,10 @@ def reuse_source(config) -> Location | None:
     """The earlier output a run reuses: output.reuse_from, or with output.reuse the output
     itself where it is complete. None: nothing to reuse (a first run)."""
     if config.output.reuse_from:
-        return Location.of(config.output.reuse_from)
+        source = Location.of(config.output.reuse_from)
+        if not source.exists():
+            raise OutputError(f"output.reuse_from {str(source)!r}: no such output")
+        return source
     if not config.output.reuse:
         return None
     out = Location.of(config.output.path)
@@ -151,14 +158,41 @@ def plan_reuse(plan, source: Location) -> ReusePlan:
         old = _Spill(spill, "old", slices)
         result.file_rows = _spill_old(files, old, rekey, theirs or {})
         result.earlier_rows = old.rows
-        result.at = np.full(plan.input.num_rows, -1, np.int64)
-        result.count = np.zeros(plan.input.num_rows, np.int32)
+        # 5 bytes a new row where they fit (the earlier output under 2^31 rows, a row's
+        # samples under 256): the driver's one array the size of the table
+        result.at = np.full(plan.input.num_rows, -1,
+                            np.int32 if result.file_rows[-1] < 2**31 - 1 else np.int64)
+        result.count = np.zeros(plan.input.num_rows, np.min_scalar_type(max(old.most, 1)))
         for i in range(slices):
             _join(new.read(i), old.read(i), result)
     result.reused = int((result.at >= 0).sum())
     if result.reused == 0 and result.why_none is None:
         result.why_none = "no row's request is the same"
     return result
+
+
+def carry_over(plan, source: Location, layout, done: set[int]) -> tuple[dict, dict, str]:
+    """``plan_reuse`` then ``stage_reused``: what was found (its record, and its line), and
+    what was staged."""
+    found = plan_reuse(plan, source)
+    return found.record(), stage_reused(plan, found, layout, done), found.line()
+
+
+def carry_over_on_ray(plan, source: Location, layout, done: set[int]) -> tuple[dict, dict, str]:
+    """``carry_over`` in a Ray task on this node (where the staging folder and the local spill
+    are), its memory apart from the driver's. A JobError in it is raised here as it was."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    task = ray.remote(carry_over).options(num_cpus=1, max_retries=0, scheduling_strategy=here)
+    try:
+        return ray.get(task.remote(plan, source, layout, done))
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, JobError):
+            raise cause from None
+        raise
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -233,9 +267,12 @@ class _Spill:
         self.paths = [os.path.join(folder, f"{side}-{i}.bin") for i in range(slices)]
         self.slices = slices
         self.rows = 0
+        self.most = 0  # the old side's: the most rows an input row had (its samples)
 
     def add(self, records: np.ndarray) -> None:
         self.rows += len(records)
+        if "count" in records.dtype.names and len(records):
+            self.most = max(self.most, int(records["count"].max()))
         which = (records["high"] % np.uint64(self.slices)).astype(np.int64)
         order = np.argsort(which, kind="stable")
         cuts = np.searchsorted(which[order], np.arange(1, self.slices))
@@ -427,13 +464,16 @@ def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
             source = pa.concat_tables([t for unit in read_units(blocks)
                                        for t in read_unit(unit, plan.input.schema)])
             rows = source.take(pa.array(ordinals - blocks[0].ordinal, pa.int64()))
+            del source
             for name in carried:
                 rows = rows.append_column(name, found.column(name))
             for run in _whole_blocks_joined(_runs(rows.column(columns.ORDINAL),
                                                   layout.block_starts), ordinals, layout):
                 # (a job of steps' part: its input rows by its name, a row its filter
                 # dropped is not in it)
-                record = writer._write_run(rows.take(run), [] if steps else None)
+                whole = len(run) == rows.num_rows  # (an unchanged table's bucket: no copy)
+                record = writer._write_run(rows if whole else rows.take(run),
+                                           [] if steps else None)
                 saved["rows"] += record["input_rows"]
                 if not steps:
                     saved["prompt_tokens"] += record["prompt_tokens"]
@@ -441,7 +481,7 @@ def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
             if steps:
                 for name, tokens in _step_tokens(found, steps).items():
                     saved[name] += tokens
-            del found, source, rows
+            del found, rows
     return saved
 
 

@@ -156,10 +156,18 @@ def test_settings_that_change_every_request_reuse_nothing_and_others_everything(
 
 
 def test_a_seeded_job_reuses_a_snapshot_elsewhere_with_its_samples_together(
-        tiny_model, reuse_tables, ray_cluster):
+        tiny_model, reuse_tables, ray_cluster, monkeypatch):
     """Sampled (temperature 0.8, a seed per row from its id, two samples a row): the reused
     rows' samples come over together, from a copy of the output somewhere else
-    (output.reuse_from), and the result equals a from-scratch run."""
+    (output.reuse_from), and the result equals a from-scratch run. Looked up and staged as a
+    large table's are, in a Ray task (pipelines/reuse.py: LARGE_ROWS)."""
+    import pipelines.pipeline
+    import pipelines.reuse
+
+    monkeypatch.setattr(pipelines.pipeline, "LARGE_ROWS", 0)
+    on_ray = []
+    monkeypatch.setattr(pipelines.pipeline, "carry_over_on_ray", lambda *a: on_ray.append(
+        pipelines.reuse.carry_over_on_ray(*a)) or on_ray[-1])
     root = reuse_tables
     seeded = {"input": {"id_column": "sku"},
               "sampling": {"temperature": 0.8, "seed": 5, "max_tokens": 12, "n": 2}}
@@ -175,6 +183,7 @@ def test_a_seeded_job_reuses_a_snapshot_elsewhere_with_its_samples_together(
     assert out.height == 2 * ROWS and out["sample_index"].to_list()[:4] == [0, 1, 0, 1]
     assert incremental.reuse["reused"] == expected_counts()["reused"]
     assert incremental.reuse["source"] == str(root / "snapshot")
+    assert len(on_ray) == 1 and on_ray[0][0]["reused"] == expected_counts()["reused"]
     assert scratch.reuse is None
 
 

@@ -119,8 +119,13 @@ def glob_regex(pattern: str) -> re.Pattern:
 
 
 def _parquet(file: Location) -> pq.ParquetFile:
-    """A local file by path (Arrow opens and closes it), a remote one through its filesystem."""
-    return pq.ParquetFile(file.path if file.local else file.open())
+    """A local file by path (Arrow opens and closes it), a remote one through its filesystem.
+    A local file is read through a small buffer, a page at a time: read whole (pre-buffered),
+    the first rows of a 1M-row group held the group's 60 MB of column chunks; an object
+    store's reads are coalesced as Arrow does by default."""
+    if file.local:
+        return pq.ParquetFile(file.path, pre_buffer=False, buffer_size=1 << 20)
+    return pq.ParquetFile(file.open())
 
 
 def earlier_job(files: list[Location]) -> dict | None:
