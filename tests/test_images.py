@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -394,3 +395,41 @@ def test_a_later_step_sees_the_earlier_steps_text_and_the_image_again(parity_job
     bare = bare_chat(vision_model, conversations, folder)
     assert steps["checked"].to_list() == [b["text"] for b in bare]
     assert steps["checked_prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare]
+
+
+def test_samples_logprobs_replicas_and_a_resume_work_with_images(parity_job, vision_model,
+                                                                  folder, tmp_path):
+    """The image job sampled (two seeded samples a row) with logprobs, on two replicas (each
+    with its engine: the blocks go to whichever is free); the same job on one replica,
+    SIGKILLed once a part is written and run again: the same output, row for row, each row's
+    samples with their image counts, and a logprob a token."""
+    import yaml
+    from test_resume import kill_after_parts, overnight
+
+    rows, _, _ = parity_job
+
+    def config(out: str, replicas: int) -> dict:
+        raw = vision_config(vision_model, folder / "table.parquet", tmp_path / out,
+                            images=["photo", "back"], on_null="empty")
+        raw["sampling"] = {"temperature": 0.8, "seed": 3, "n": 2, "max_tokens": MAX_TOKENS}
+        raw["output"]["logprobs"] = 2
+        raw["resources"] = {"batch_size": 4, "replicas": replicas}
+        return raw
+
+    run_job(load_config(config("two", 2)))
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(config("one", 1)))
+    kill_after_parts(path, tmp_path / "one.partial", 1, signal.SIGKILL)
+    assert not (tmp_path / "one").exists()  # killed before its commit
+    resumed = overnight("run", path, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed:" in resumed.stdout
+    out, one = pl.read_parquet(tmp_path / "two"), pl.read_parquet(tmp_path / "one")
+    assert out.drop("logprobs").equals(one.drop("logprobs"))
+    assert out.height == 2 * len(rows) and out["sample_index"].to_list()[:4] == [0, 1, 0, 1]
+    assert out["error"].null_count() == out.height
+    assert out["image_count"].to_list() == [1 + (r["back"] is not None) for r in rows
+                                            for _ in range(2)]
+    assert all(len(lp) == c for lp, c in zip(out["logprobs"].to_list(),
+                                             out["completion_tokens"].to_list()))
+    assert out["rewritten"].to_list() != out["rewritten"].shift(1).to_list()  # sampled apart
