@@ -133,7 +133,18 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
     for name in group.names:  # only once the file that replaces them is whole
         if name != group.name:
             (staging / name).remove()
+    _release_memory()
     return stats.result(group.name)
+
+
+def _release_memory() -> None:
+    """A worker runs many groups one after another: the pages a group's tables took go back
+    to the system once it is written, rather than stay with the allocators (Arrow's mimalloc,
+    glibc's heap) from one group to the next."""
+    from udfs.predictor import trim_heap
+
+    pa.default_memory_pool().release_unused()
+    trim_heap()
 
 
 def _read_staged(path: Location, columns: list[str] | None = None,

@@ -439,6 +439,12 @@ def release_free_memory() -> None:
     _malloc_trim(0)
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system now (glibc), whatever the time."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 def _find_malloc_trim():
     import ctypes
     import ctypes.util
