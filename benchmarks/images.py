@@ -131,24 +131,28 @@ def bare(model: str, source: Path, tokens: int, work: Path) -> dict:
     return result
 
 
-def tree_pss(pid: int) -> int:
+def tree_pss(pid: int) -> tuple[int, dict]:
     """The process tree's proportional set size: each shared page (Ray's object store, which
     every process that reads a block maps) counted once over the processes sharing it, where
-    RSS summed over them counts it in each."""
+    RSS summed over them counts it in each. With it, each kind of process's (MiB, summed by
+    name: the driver, ray::MapWorker(...), ray::write_group...)."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, {}
+    total, by_name = 0, {}
     for proc in procs:
         try:
-            total += proc.memory_full_info().pss
+            pss = proc.memory_full_info().pss
+            name = "driver" if proc.pid == pid else (proc.cmdline() or [proc.name()])[0]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
+            continue
+        total += pss
+        by_name[name] = by_name.get(name, 0) + round(pss / 2**20)
+    return total, by_name
 
 
 def overnight(job: dict, work: Path, name: str) -> dict:
@@ -160,11 +164,15 @@ def overnight(job: dict, work: Path, name: str) -> dict:
     started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(path), "--quiet",
                              "--overwrite"], cwd=REPO)
-    peak = [0]
+    peak, at_peak = [0], [{}]
 
     def sample() -> None:
         while proc.poll() is None:
-            peak[0] = max(peak[0], tree_pss(proc.pid))
+            total, by_name = tree_pss(proc.pid)
+            if total > peak[0]:
+                peak[0], at_peak[0] = total, {"at_s": round(time.time() - started, 1),
+                                              **dict(sorted(by_name.items(),
+                                                            key=lambda kv: -kv[1]))}
             time.sleep(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -178,7 +186,8 @@ def overnight(job: dict, work: Path, name: str) -> dict:
     frame = pl.read_parquet(out, columns=["text_out", "error"])
     return {"images_per_s": report["throughput"]["rows_per_s"],
             "generation_s": report["time"]["generation_s"], "whole_s": whole,
-            "peak_tree_pss_mib": peak[0] / 2**20, "errors": frame["error"].drop_nulls().len(),
+            "peak_tree_pss_mib": peak[0] / 2**20, "pss_mib_at_peak_by_process": at_peak[0],
+            "errors": frame["error"].drop_nulls().len(),
             "texts": frame["text_out"].to_list()}
 
 

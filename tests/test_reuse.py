@@ -421,3 +421,26 @@ def test_a_batch_file_run_again_after_an_edit_generates_only_its_new_and_changed
                 for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
 
     assert bodies("results.jsonl") == bodies("scratch.jsonl")
+
+
+def test_a_job_of_steps_killed_while_it_reruns_a_changed_step_resumes_to_the_same_output(
+        tiny_model, reuse_tables, ray_cluster):
+    """The judge changed, so every row goes on from its carried rewrites (their states staged
+    beside the parts); the run SIGKILLed half-way and run again equals an uninterrupted one."""
+    root = reuse_tables
+    run_job(load_config(steps_config(tiny_model, root, "v1.parquet", "steps-killed")))
+    path = root / "steps-killed.yaml"
+    path.write_text(yaml.safe_dump(steps_config(tiny_model, root, "v1.parquet", "steps-killed",
+                                                JUDGE_AGAIN, output={"reuse": True})))
+    blocks = ROWS // 8
+    code, _ = kill_after_parts(path, root / "steps-killed.partial", blocks // 2, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert len(settled_parts(root / "steps-killed.partial")) < blocks
+    resumed = overnight("run", path, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "the steps before 'judge'" in resumed.stdout
+    run_job(load_config(steps_config(tiny_model, root, "v1.parquet", "steps-killed-scratch",
+                                     JUDGE_AGAIN)))
+    out = pl.read_parquet(root / "steps-killed")
+    assert out.equals(pl.read_parquet(root / "steps-killed-scratch"))
+    assert out.height == 2 * ROWS
