@@ -320,7 +320,7 @@ def test_a_later_step_reads_an_earlier_steps_answer_and_thinking_by_name(
         "judge", "judge_reasoning", "judge_finish_reason", "judge_prompt_tokens",
         "judge_completion_tokens", "judge_reasoning_tokens",
         "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens",
-        "error_kind", "error"]
+        "error_kind", "error", "request_key"]
     # the draft step is the one-step job's requests: the same generation, split by qwen3's
     # parser, which drops the stray </think>s this random model repeats after the first
     assert out["draft_reasoning"].to_list() == one["reasoning"].to_list()
