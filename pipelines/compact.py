@@ -28,6 +28,7 @@ from pipelines.write import (
     COUNTED, COUNTED_IF_PRESENT, Part, add_steps, count_part, list_parts, part_name, part_steps,
     read_part)
 from udfs import columns
+from udfs.predictor import release_memory
 
 ROW_GROUP_BYTES = 64 << 20  # Arrow bytes buffered per row group written (readers like ~64 MiB)
 STATS_EXAMPLES = 5  # ids kept per error kind, for the report
@@ -133,18 +134,8 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
     for name in group.names:  # only once the file that replaces them is whole
         if name != group.name:
             (staging / name).remove()
-    _release_memory()
+    release_memory()  # a worker runs many groups: a group's pages go back once written
     return stats.result(group.name)
-
-
-def _release_memory() -> None:
-    """A worker runs many groups one after another: the pages a group's tables took go back
-    to the system once it is written, rather than stay with the allocators (Arrow's mimalloc,
-    glibc's heap) from one group to the next."""
-    from udfs.predictor import trim_heap
-
-    pa.default_memory_pool().release_unused()
-    trim_heap()
 
 
 def _read_staged(path: Location, columns: list[str] | None = None,

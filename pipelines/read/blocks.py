@@ -18,8 +18,9 @@ from ray.data.datasource import Datasource, ReadTask
 from pipelines.read.files import _parquet
 from pipelines.read.scan import BOM, Block, InputPlan, _blank, _loads
 from pipelines.read.schema import JSON_TEXT, _conform
-from pipelines.read.sizes import ray_block_rows, read_ahead_bytes
+from pipelines.read.sizes import ray_block_rows, read_ahead_bytes, reads_at_once
 from udfs import columns
+from udfs.predictor import release_memory
 
 
 def read_block(block: Block, schema: pa.Schema) -> pa.Table:
@@ -153,6 +154,7 @@ class TableDatasource(Datasource):
         def read(unit: ReadUnit) -> Iterator[pa.Table]:
             for block, table in zip(unit.blocks, read_unit(unit, schema)):
                 yield table.take(only[block.ordinal]) if block.ordinal in only else table
+            release_memory()  # the worker reads other units next: a large one's pages go back
 
         return [
             ReadTask(
@@ -187,9 +189,12 @@ def read_dataset(plan: InputPlan, skip_blocks: frozenset[int] = frozenset(),
     # One task per read unit; asking for this many output blocks makes Ray Data cut each
     # unit's output into pieces of about ``per_block`` rows.
     unit_rows = max(1, min(UNIT_ROWS, int(UNIT_BYTES // max(per_row, 1))))
-    ds = ray.data.read_datasource(TableDatasource(todo, plan.schema, only_rows, unit_rows),
-                                  num_cpus=0.25, override_num_blocks=-(-rows // per_block))
+    source = TableDatasource(todo, plan.schema, only_rows, unit_rows)
+    read_ahead = read_ahead_bytes(plan, per_block, slots)
+    largest_unit = max(unit.num_rows for unit in source.units) * per_row
+    ds = ray.data.read_datasource(source, num_cpus=0.25, override_num_blocks=-(-rows // per_block),
+                                  concurrency=reads_at_once(read_ahead, largest_unit))
     options = ds.context.execution_options  # this dataset's own (a copy of the session's)
     options.resource_limits = options.resource_limits.min(ExecutionResources.for_limits(
-        object_store_memory=read_ahead_bytes(plan, per_block, slots)))
+        object_store_memory=read_ahead))
     return ds, per_block

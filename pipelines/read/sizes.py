@@ -24,6 +24,23 @@ def read_ahead_bytes(plan: InputPlan, per_block: int, slots: int) -> int:
     return max(READ_AHEAD_MIN, int(per_row * per_block * READ_AHEAD_BLOCKS * max(slots, 1)))
 
 
+def reads_at_once(read_ahead: int, unit_bytes: float) -> int | None:
+    """The read tasks that run at once where a read unit is large (a column of photos), so
+    that together they hold about the read-ahead budget. The budget bounds Ray's object
+    store; a task holds its own memory too, about twice its unit (the decoded row group, or
+    page: pyarrow writes up to 1,024 values a page, 0.8 GB of photos, and the blocks cut from
+    it), until its blocks are taken, and a task the budget pauses keeps holding it. At a job's
+    start, with nothing read yet, Ray Data started as many as the CPUs let it: four tasks of
+    256 photos of 0.8 MB held 3 GB while the engine loaded. None (Ray Data's choice) where
+    units are small."""
+    at_once = max(1, int(read_ahead // max(READ_TASK_HOLDS * unit_bytes, 1)))
+    return at_once if at_once < READS_AT_ONCE_UNBOUNDED else None
+
+
+READ_TASK_HOLDS = 2  # a read task's memory, about, in units of its unit's bytes
+READS_AT_ONCE_UNBOUNDED = 16  # tasks: more than a node's CPUs give the read, where it is light
+
+
 PARTS_AT_LEAST = 16  # a table's plan blocks, at least (each is committed as it is done)
 BLOCK_ROWS_AT_LEAST = 8  # ... unless that would make blocks smaller than this
 
