@@ -424,14 +424,15 @@ def test_a_batch_file_run_again_after_an_edit_generates_only_its_new_and_changed
 
 
 def test_a_job_of_steps_killed_while_it_reruns_a_changed_step_resumes_to_the_same_output(
-        tiny_model, reuse_tables, ray_cluster):
+        steps_runs, tiny_model, reuse_tables):
     """The judge changed, so every row goes on from its carried rewrites (their states staged
-    beside the parts); the run SIGKILLed half-way and run again equals an uninterrupted one."""
+    beside the parts), reusing the from-scratch output of steps_runs; the run SIGKILLed
+    half-way and run again equals the from-scratch run with the changed judge."""
     root = reuse_tables
-    run_job(load_config(steps_config(tiny_model, root, "v1.parquet", "steps-killed")))
     path = root / "steps-killed.yaml"
-    path.write_text(yaml.safe_dump(steps_config(tiny_model, root, "v1.parquet", "steps-killed",
-                                                JUDGE_AGAIN, output={"reuse": True})))
+    path.write_text(yaml.safe_dump(steps_config(
+        tiny_model, root, "v2.parquet", "steps-killed", JUDGE_AGAIN,
+        output={"reuse_from": str(root / "steps-scratch")})))
     blocks = ROWS // 8
     code, _ = kill_after_parts(path, root / "steps-killed.partial", blocks // 2, signal.SIGKILL)
     assert code == -signal.SIGKILL
@@ -439,8 +440,6 @@ def test_a_job_of_steps_killed_while_it_reruns_a_changed_step_resumes_to_the_sam
     resumed = overnight("run", path, "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     assert "the steps before 'judge'" in resumed.stdout
-    run_job(load_config(steps_config(tiny_model, root, "v1.parquet", "steps-killed-scratch",
-                                     JUDGE_AGAIN)))
     out = pl.read_parquet(root / "steps-killed")
-    assert out.equals(pl.read_parquet(root / "steps-killed-scratch"))
+    assert out.equals(pl.read_parquet(root / "steps-judged-scratch"))
     assert out.height == 2 * ROWS
