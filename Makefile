@@ -27,20 +27,24 @@ demo: setup models/smollm2/config.json
 	$(BIN)/overnight run configs/demo.yaml --overwrite
 	$(BIN)/python -c "import polars as pl; pl.Config.set_fmt_str_lengths(90); print(pl.read_parquet('out/demo').select('sku', 'title', 'rewritten', 'finish_reason', 'error'))"
 
-# Two test files at a time, each in a pytest worker of its own (session fixtures, its own Ray):
-# most tests wait on start-up (imports, process spawns, Ray, an engine loading), which keeps one
-# core of two busy at a time. More workers need more memory: each runs Ray and engines. Tests
-# marked serial time the machine itself, and run alone afterwards.
+# Two test files at a time, each in a pytest worker of its own (session fixtures, its own Ray).
+# Three took as long as two (2026-12-06: 36.5 against 35.5 min, both cores busy throughout).
+# Two workers run two engines on the same cores: OpenMP's threads, left to spin while they wait
+# (OMP_WAIT_POLICY's default), then took 6x an engine's time alone instead of 2x (two tiny-model
+# jobs at once: 25 s of generation each against 4 s alone; passive, 5.5 s). The parallel runs
+# wait passively; the serial tests, which time the machine itself, run alone afterwards with
+# the engine's defaults.
 # The pooling tests build and drop in-process vLLM pooling engines, which tears down vLLM's
 # process-wide parallel state under the session's shared engine: each file runs in a worker
 # process of its own, the two at once (--dist loadfile gives two files two workers).
 POOLING_TESTS := tests/test_http_pooling.py tests/test_pooling.py
 TEST_WORKERS ?= 2
+PARALLEL := OMP_WAIT_POLICY=PASSIVE
 test: setup models/smollm2/config.json browser
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
+	$(PARALLEL) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
 	  $(addprefix --ignore=,$(POOLING_TESTS))
 	$(BIN)/python -m pytest -q -m serial $(addprefix --ignore=,$(POOLING_TESTS))
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(POOLING_TESTS)
+	$(PARALLEL) $(BIN)/python -m pytest -q -n 2 --dist loadfile $(POOLING_TESTS)
 
 # A headless browser for tests/test_view.py (overnight view's page): Debian's chromium and
 # chromium-driver where apt-get can install them; elsewhere those tests skip, saying why.
