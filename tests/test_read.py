@@ -301,3 +301,14 @@ def test_ray_data_reads_only_a_few_blocks_per_engine_ahead(tmp_path: Path, ray_c
 
     assert ray.data.DataContext.get_current().execution_options.resource_limits \
         .object_store_memory != READ_AHEAD_MIN
+
+
+def test_large_read_units_run_as_many_at_once_as_the_read_ahead_holds_twice():
+    """Photos (a 200 MB unit, a 410 MB budget): one task at a time; a text table's units
+    (8 MB): Ray Data's choice."""
+    from pipelines.read.sizes import reads_at_once
+
+    assert reads_at_once(410 << 20, 200 << 20) == 1
+    assert reads_at_once(256 << 20, 600 << 20) == 1  # a unit larger than the budget: still one
+    assert reads_at_once(2 << 30, 200 << 20) == 5
+    assert reads_at_once(256 << 20, 8 << 20) is None

@@ -449,8 +449,6 @@ def release_memory() -> None:
     """A worker that runs large tasks one after another (reading a unit of photos, compacting
     a group): the pages one took go back to the system once it is done, rather than stay
     with the allocators (Arrow's pool, glibc's heap) until the next."""
-    import pyarrow as pa
-
     pa.default_memory_pool().release_unused()
     trim_heap()
 
