@@ -378,8 +378,7 @@ def _add_counts(a: dict | None, b: dict | None) -> dict:
     """One step's counts over two sets of rows."""
     if a is None or b is None:
         return a or b
-    return {k: (a[k] + b[k] if isinstance(a[k], (int, float)) and k != "name" else a[k])
-            for k in a}
+    return {k: a[k] + b[k] if isinstance(a[k], (int, float)) else a[k] for k in a}
 
 
 STATES = ".reuse-state-{:012d}.parquet"  # a block's carried rows, in staging (pipelines/reuse.py)
