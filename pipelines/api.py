@@ -12,9 +12,8 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 
-from pipelines.config import load_config
+from pipelines.config import load_config, read_yaml
 from pipelines.errors import ConfigError
 from pipelines.pipeline import RunSummary, run_job
 
@@ -42,10 +41,7 @@ def run_dataframe(data: pl.DataFrame | pa.Table, config: dict | str | Path,
 def _raw_config(config: dict | str | Path) -> dict:
     if isinstance(config, dict):
         return {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
-    try:
-        raw = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{config}: cannot read: {exc.strerror}") from None
+    raw = read_yaml(config)  # a key given twice refused, as a job's
     if not isinstance(raw, dict):
         raise ConfigError(f"{config}: expected a mapping of sections (input, model, ...)")
     return raw

@@ -116,7 +116,7 @@ def check_model_takes_images(name: str, trust_remote_code: bool = False) -> None
     """The model is one vLLM runs with images: its architecture among vLLM's multimodal
     models (read from vLLM's source, not imported), or, where that cannot be read, a config
     with a vision tower."""
-    config = _model_config(name, trust_remote_code)
+    config = read_model_config(name, trust_remote_code)
     if config is None:
         return  # the engine's start says what is wrong with a model pre-flight cannot read
     architectures = config.get("architectures") or []
@@ -129,7 +129,9 @@ def check_model_takes_images(name: str, trust_remote_code: bool = False) -> None
                           "use a vision-language model (one of vLLM's multimodal models)")
 
 
-def _model_config(name: str, trust_remote_code: bool) -> dict | None:
+def read_model_config(name: str, trust_remote_code: bool) -> dict | None:
+    """A model's config.json values (a local folder's file, or through transformers); None
+    where it cannot be read (the engine's start then says why)."""
     local = Path(name) / "config.json"
     if local.is_file():
         try:

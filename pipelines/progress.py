@@ -17,6 +17,13 @@ over at most the last ``RATE_WINDOW_S``: a window that holds many turns of the e
 whole batch (prefills, decodes, the gaps between waves of blocks), where the last 15 s saw
 one moment's mix (the demo model rewriting 400 rows once said `eta 00:24` with 109 s left).
 
+No ETA is shown until the rate it rests on is worth a guess (``EtaGate``): enough of this
+run's work done (``ETA_MIN_DONE`` of it, or ``ETA_MIN_SHARE``), ``ETA_MIN_SECONDS`` of
+generation, and two estimates ``ETA_GAP_S`` apart that agree within ``ETA_AGREE``; before
+that the line says what it waits for. The demo model's first seconds once said `eta 40:11`
+with 78 s left, then `eta 16:13`. The rows counted are the ones this run generates (a
+``--retry-errors`` run's: the rows with errors), never more than 100% of them.
+
 On a terminal one line is redrawn in place; in a log file (stdout not a TTY) a plain line is
 printed every ``interval`` seconds instead of a flood of carriage returns.
 """
@@ -29,11 +36,48 @@ import time
 from collections import deque
 
 RATE_WINDOW_S = 1800.0  # the rate's window at most: since the first token, for short jobs
+ETA_MIN_DONE = 20  # requests (or rows) finished before an ETA is shown...
+ETA_MIN_SHARE = 0.05  # ...or this share of them
+ETA_MIN_SECONDS = 5.0  # and this long generating
+ETA_GAP_S = 2.0  # two estimates at least this far apart...
+ETA_AGREE = 0.25  # ...that agree within this share
+
+
+class EtaGate:
+    """Whether an ETA is worth showing yet: it rests on enough work done and time spent, and
+    two estimates ``ETA_GAP_S`` apart agree (each as the moment the run would end). Once
+    shown it stays: an ETA that comes and goes says less than one that moves."""
+
+    def __init__(self):
+        self.shown = False
+        self.earlier: tuple[float, float] | None = None  # (when, the end it foresaw)
+
+    def waiting(self, now: float, eta: float, done: int, total: int, seconds: float) -> str | None:
+        """None where ``eta`` may be shown; else what the ETA still waits for."""
+        if self.shown:
+            return None
+        if eta != eta or done <= 0:  # NaN: no rate yet
+            return "waiting for the first output"
+        if done < min(ETA_MIN_DONE, max(1.0, ETA_MIN_SHARE * total)) \
+                or seconds < ETA_MIN_SECONDS:
+            return f"measuring: {done}/{total} done in {seconds:.0f} s"
+        end = now + eta
+        if self.earlier is None or now - self.earlier[0] >= ETA_GAP_S:
+            before = self.earlier
+            self.earlier = (now, end)
+            if before is not None and now - before[0] >= ETA_GAP_S:
+                left = max(before[1] - now, 0.0)  # what the earlier estimate says now
+                if abs(left - eta) <= ETA_AGREE * max(left, eta, 1.0):
+                    self.shown = True
+                    return None
+        return f"measuring: {done}/{total} done, the rate not settled yet"
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool = True, stream=None, interval: float = 10.0):
+    def __init__(self, total: int, enabled: bool = True, stream=None, interval: float = 10.0,
+                 clock=time.time):
         self.total, self.enabled = total, enabled
+        self.clock = clock  # time.time; a test's fake clock
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = 0.5 if self.tty else interval
@@ -53,9 +97,10 @@ class Progress:
         self.prompt_tokens = 0
         self.moved_at = 0.0
         self.finished = False
+        self.gate = EtaGate()
 
     def start(self, output: str, already: int = 0) -> None:
-        self.start_time = self.last_print = time.time()
+        self.start_time = self.last_print = self.clock()
         self.already = self.done = already
         self._emit(f"overnight: {self.total} rows -> {output}"
                    + (f" (resuming: {already} already written)" if already else ""))
@@ -68,7 +113,7 @@ class Progress:
     def update(self, rows: int, tokens: int, errors: int, by_kind: dict | None = None,
                prompt_tokens: int = 0) -> None:
         with self.lock:
-            now = time.time()
+            now = self.clock()
             self.done += rows
             self.tokens += tokens
             self.errors += errors
@@ -86,7 +131,7 @@ class Progress:
     def update_live(self, counts: dict) -> None:
         """The replicas' counts, summed (EngineHealth.snapshot)."""
         with self.lock:
-            now = time.time()
+            now = self.clock()
             if self.live is None or counts.get("tokens", 0) > self.live.get("tokens", 0):
                 self.moved_at = now
             self.live = counts
@@ -115,12 +160,26 @@ class Progress:
         if self.done >= self.total:  # every part is written: the counts may lag by a poll
             requests = total
         eta = self._tokens_left(live, total) / rate if rate > 0 else float("nan")
-        if self.done >= self.total:
-            eta = 0.0
-        pct = 100.0 * self.done / max(self.total, 1)
-        return (f"rows {self.done}/{self.total} ({pct:.0f}%) written | generated "
+        eta = self._shown_eta(now, eta, requests, total, now - self.live_first[0])
+        return (f"{self._rows()} written | generated "
                 f"{requests}/{total} | {rate:.0f} tok/s out | errors {self.errors} | "
-                f"elapsed {_clock(elapsed)} | eta {_clock(eta)}")
+                f"elapsed {_clock(elapsed)} | {eta}")
+
+    def _rows(self) -> str:
+        """This run's rows written of its total: never past it, whatever a count says."""
+        done = min(self.done, self.total)
+        return f"rows {done}/{self.total} ({100.0 * done / max(self.total, 1):.0f}%)"
+
+    def _shown_eta(self, now: float, eta: float, done: int, total: int,
+                   seconds: float) -> str:
+        """``eta MM:SS`` once the gate lets it through (never below zero); before that, what
+        it waits for."""
+        if self.done >= self.total:
+            return f"eta {_clock(0.0)}"
+        waiting = self.gate.waiting(now, eta, done, total, seconds)
+        if waiting is not None:
+            return f"eta --:-- ({waiting})"
+        return f"eta {_clock(max(eta, 0.0))}"
 
     @staticmethod
     def _tokens_left(live: dict, total: int) -> float:
@@ -141,11 +200,14 @@ class Progress:
             since, rows0, tokens0 = self.start_time, self.already, 0
         window = max(now - since, 1e-9)
         rate = (self.done - rows0) / window
-        eta = (self.total - self.done) / rate if rate > 0 else float("nan")
-        pct = 100.0 * self.done / max(self.total, 1)
-        return (f"rows {self.done}/{self.total} ({pct:.0f}%) | "
+        left = max(self.total - self.done, 0)
+        eta = left / rate if rate > 0 else float("nan")
+        generated = self.done - self.already  # this run's rows, against this run's total
+        eta = self._shown_eta(now, eta, generated, self.total - self.already,
+                              now - (self.first[0] if self.first else now))
+        return (f"{self._rows()} | "
                 f"{(self.tokens - tokens0) / window:.0f} tok/s out | errors {self.errors} | "
-                f"elapsed {_clock(elapsed)} | eta {_clock(eta)}")
+                f"elapsed {_clock(elapsed)} | {eta}")
 
     def finish(self) -> None:
         self.finished = True

@@ -22,7 +22,7 @@ from pipelines.adapters import adapter_sampling
 from pipelines.config import JobConfig, StepConfig
 from pipelines.errors import ConfigError, InputError
 from pipelines.images import image_spec
-from udfs import columns
+from udfs import columns, to_polars
 from udfs.predictor import SamplingSpec
 from udfs.prompts import RenderSpec, TemplateError, compile_template
 from udfs.steps import _KEY, _PARSED, StepSpec, step_types
@@ -48,8 +48,11 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
             continue
         _check_prompt(step, fields, where, config)
         if step.sampling.max_tokens >= max_model_len:
+            # (named as --set takes it: steps.0.sampling..., and each step's is its own)
             raise ConfigError(f"{where}: sampling.max_tokens {step.sampling.max_tokens} leaves "
-                              f"no room for a prompt in max_model_len {max_model_len}")
+                              f"no room for a prompt in max_model_len {max_model_len}; lower "
+                              f"it (e.g. --set steps.{i}.sampling.max_tokens="
+                              f"{max(1, max_model_len // 2)}) or raise model.max_model_len")
         structured = None
         if step.structured is not None:
             structured = structured_spec(step.structured, _PARSED, f"{where}: structured",
@@ -66,7 +69,8 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
             trust_remote_code=config.model.trust_remote_code, messages_column=p.messages_column,
             keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
             chat_template_kwargs=p.chat_template_kwargs,
-            images=image_spec(p, config.input.path))
+            images=image_spec(p, config.input.path),
+            chat_template_content_format=p.chat_template_content_format)
         sampling = SamplingSpec(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
@@ -120,12 +124,12 @@ def _check_where(expression: str, fields: dict, where: str) -> list[str]:
     if missing:
         raise InputError(f"{where}: where uses {missing[0]!r}, which is not a column of the "
                          f"input or of an earlier step; it can use: {', '.join(fields)}")
-    unreadable = next((n for n in names if _polars_cannot_hold(fields[n])), None)
+    unreadable = next((n for n in names if to_polars.as_text(fields[n])), None)
     if unreadable is not None:
         raise InputError(f"{where}: where uses {unreadable!r}, a {fields[unreadable]} column, "
-                         "which the filter (polars) cannot read; write it as decimal128 (up "
-                         "to 38 digits), a float or a string")
-    empty = pl.from_arrow(pa.schema([(n, fields[n]) for n in names]).empty_table()) \
+                         "which the filter (polars) can read only as text; write it as "
+                         "decimal128 (up to 38 digits), a float or a string")
+    empty = to_polars.frame(pa.schema([(n, fields[n]) for n in names]).empty_table()) \
         if names else pl.DataFrame()
     try:
         kind = empty.select(expr).to_series().dtype if names else None
@@ -157,20 +161,6 @@ def _try_where(expression: str, sample: pa.Table, where: str, id_column: str | N
         raise ConfigError(f"{where}: where {expression!r} cannot be evaluated on any of the "
                           f"{rows.num_rows} rows tried (the first block's), e.g. row "
                           f"{first!r}: {failed[0]}")
-
-
-def _polars_cannot_hold(type_: pa.DataType) -> bool:
-    """A type polars panics on (its Arrow import has no 256-bit decimal), at any depth."""
-    if pa.types.is_decimal256(type_):
-        return True
-    if pa.types.is_struct(type_):
-        return any(_polars_cannot_hold(f.type) for f in type_)
-    if pa.types.is_list(type_) or pa.types.is_large_list(type_) or \
-            pa.types.is_fixed_size_list(type_):
-        return _polars_cannot_hold(type_.value_type)
-    if pa.types.is_map(type_):
-        return _polars_cannot_hold(type_.key_type) or _polars_cannot_hold(type_.item_type)
-    return False
 
 
 def _one_line(exc: BaseException) -> str:

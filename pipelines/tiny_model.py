@@ -159,6 +159,17 @@ VISION_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+# The same model's prompt as a template that takes a message's content as one string (many
+# models' templates do): vLLM's chat path sees no loop over the content and hands it the text
+# with each image's placeholder (``<image>``) in it. Concatenated with ``+``, as such templates
+# often are, a list of parts would stop it ("can only concatenate str (not "list") to str").
+VISION_STRING_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ (message['role'] | capitalize) + ': ' + message['content'] + '<end_of_utterance>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 VISION_TILE = 32    # px: the vision tower's image size (a tile, and the whole image unsplit)
 VISION_PATCH = 8    # px: (32 / 8)^2 = 16 patches, pixel-shuffled by 2 into 4 tokens an image
 
@@ -238,4 +249,21 @@ def build_tiny_vision_model(out_dir: str | Path, seed: int = 0) -> str:
             if param.dim() > 1:
                 param.mul_(4.0)
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+def with_chat_template(model_dir: str | Path, out_dir: str | Path, template: str) -> str:
+    """A copy of a model with another chat template (its tokenizer's and processor's,
+    ``chat_template.jinja``), its weights linked, not copied: a template variant in
+    moments, without building the model again."""
+    import shutil
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.suffix == ".safetensors":
+            (out / item.name).symlink_to(item.resolve())
+        elif item.name != "chat_template.jinja":
+            shutil.copy2(item, out / item.name)
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
     return str(out)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pyarrow.compute as pc
+
 from pipelines.config import JobConfig
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.read import read_block
@@ -109,15 +111,20 @@ def validate_job(config: JobConfig) -> ValidationReport:
                 report.skipped += 1
         if len(report.samples) < EXAMPLES:
             # rows that rendered: a row with an error shows above, among "will fail"
-            ok = table.column(columns.PROMPT_TOKENS).is_valid()
+            ok = pc.and_(table.column(columns.PROMPT_TOKENS).is_valid(),
+                         table.column(columns.ERROR_KIND).is_null())
             shown = table.filter(ok)
             rows = shown.select(renderer.variables).to_pylist()
             images = (shown.column(columns.PROMPT_IMAGES).to_pylist()
                       if columns.PROMPT_IMAGES in shown.column_names else [None] * len(rows))
             for row, found in list(zip(rows, images))[: EXAMPLES - len(report.samples)]:
                 # each image as the chat template's placeholder, which the engine expands
-                report.samples.append(renderer.render_text(renderer.fill_nulls(row),
-                                                           renderer.images_count(found)))
+                try:
+                    report.samples.append(renderer.render_text(renderer.fill_nulls(row),
+                                                               renderer.images_count(found)))
+                except Exception as exc:  # noqa: BLE001 - rendered once: a row's, not ours
+                    report.samples.append(f"(this row does not render again: "
+                                          f"{' '.join(str(exc).split())[:200]})")
     report.reuse = _reuse_line(plan)
     return report
 

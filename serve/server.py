@@ -70,12 +70,12 @@ def load_settings(*, config: str | None, model: str | None, overrides: list[str]
                   retention_days: float | None = None,
                   completion_window_s: float = 86400, engine: str = "resident",
                   max_running: int | None = None) -> ServeSettings:
-    from pipelines.config.load import apply_overrides
+    from pipelines.config.load import apply_overrides, read_yaml
 
     raw: dict = {}
     if config:
         try:
-            raw = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+            raw = read_yaml(config) or {}  # a key given twice refused, as a job's
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"{config}: cannot read: {exc}") from None
         if not isinstance(raw, dict):

@@ -110,28 +110,43 @@ def parity_job(vision_model, folder, ray_cluster):
 
 
 BARE = """
-import json, sys
+import gc, json, sys
 from vllm import LLM, SamplingParams
 job = json.load(open(sys.argv[1]))
-llm = LLM(model=job["model"], dtype="float32", max_model_len=512, enforce_eager=True,
-          kv_cache_memory_bytes=job["kv"], enable_chunked_prefill=False,
-          limit_mm_per_prompt={"image": 2})
-outs = llm.chat(job["conversations"], SamplingParams(temperature=0, max_tokens=job["max_tokens"]))
-json.dump([{"text": o.outputs[0].text, "prompt_tokens": len(o.prompt_token_ids)} for o in outs],
-          open(sys.argv[2], "w"))
+out = {"runs": []}
+for run in job["runs"]:
+    llm = LLM(model=run["model"], dtype="float32", max_model_len=512, enforce_eager=True,
+              kv_cache_memory_bytes=job["kv"], enable_chunked_prefill=False,
+              limit_mm_per_prompt={"image": 2})
+    outs = llm.chat(run["conversations"],
+                    SamplingParams(temperature=0, max_tokens=job["max_tokens"]))
+    out["runs"].append([{"text": o.outputs[0].text, "prompt_tokens": len(o.prompt_token_ids)}
+                        for o in outs])
+    del llm
+    gc.collect()
+if job.get("templates"):
+    from vllm.renderers.hf import _detect_content_format
+    out["formats"] = [_detect_content_format(t, default="string") for t in job["templates"]]
+json.dump(out, open(sys.argv[2], "w"))
 """
+
+
+def bare_chats(runs: list[tuple[str, list]], root, templates=()) -> dict:
+    """Bare vLLM's LLM.chat on each (model, conversations), in one process of its own (one
+    import of vLLM); with ``templates``, vLLM's own content format of each."""
+    job = {"kv": KV_CACHE, "max_tokens": MAX_TOKENS, "templates": list(templates),
+           "runs": [{"model": model, "conversations": conv} for model, conv in runs]}
+    (root / "bare.json").write_text(json.dumps(job))
+    run = subprocess.run([sys.executable, "-c", BARE, str(root / "bare.json"),
+                          str(root / "bare_out.json")], capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads((root / "bare_out.json").read_text())
 
 
 def bare_chat(model, conversations, root) -> list[dict]:
     """Bare vLLM's LLM.chat on ``conversations``, in a process of its own."""
-    job = {"model": model, "kv": KV_CACHE, "max_tokens": MAX_TOKENS,
-           "conversations": conversations}
-    (root / "bare.json").write_text(json.dumps(job))
-    run = subprocess.run([sys.executable, "-c", BARE, str(root / "bare.json"),
-                          str(root / "bare_out.json")], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads((root / "bare_out.json").read_text())
+    return bare_chats([(model, conversations)], root)["runs"][0]
 
 
 def conversation(title: str, *names: str) -> list[dict]:
@@ -141,13 +156,64 @@ def conversation(title: str, *names: str) -> list[dict]:
                                                                             title)}]}]
 
 
-def test_image_rows_equal_bare_vllm_chat_row_for_row(parity_job, vision_model, folder):
+# Templates whose content format vLLM's own detection and overnight's port must agree on:
+# loops over a message's content (by key, by attribute, through a filter, a set variable, a
+# macro's parameter, a variable named content), and templates that only print it
+DETECTED = [
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ p.text }}{% endfor %}{% endfor %}",
+    "{% set msgs = messages %}{% for m in msgs %}{% for p in m.content %}x{% endfor %}"
+    "{% endfor %}",
+    "{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m['content']) }}{% endfor %}",
+    "{% for m in messages %}{% set content = m['content'] %}{% for p in content %}x"
+    "{% endfor %}{% endfor %}",
+    "{% for m in messages[1:] %}{{ m['content'] | trim }}{% endfor %}",
+    "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+    "{% for m in messages %}{{ m['content'] }",  # does not parse
+]
+
+
+@pytest.fixture(scope="module")
+def string_model(vision_model, tmp_path_factory) -> str:
+    """The tiny vision model with a template that takes a message's content as one string."""
+    from pipelines.tiny_model import VISION_STRING_CHAT_TEMPLATE, with_chat_template
+
+    return with_chat_template(vision_model, tmp_path_factory.mktemp("string") / "model",
+                              VISION_STRING_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def string_job(string_model, parity_job, folder):
+    """The parity job's table on the string-content model (it stopped the whole job)."""
+    config = load_config(vision_config(string_model, folder / "table.parquet",
+                                       folder / "string_out", images=["photo", "back"],
+                                       on_null="empty"))
+    run_job(config)
+    return pl.read_parquet(folder / "string_out")
+
+
+@pytest.fixture(scope="module")
+def bare(parity_job, vision_model, string_model, folder) -> dict:
+    """Bare LLM.chat on the parity rows, on both models, and vLLM's content formats of
+    DETECTED and the models' templates: one process."""
+    from pipelines.tiny_model import VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE
+
+    rows, _, _ = parity_job
+    conversations = [conversation(r["title"], r["photo_name"],
+                                  *([r["back_name"]] if r["back_name"] else [])) for r in rows]
+    return bare_chats([(vision_model, conversations), (string_model, conversations)], folder,
+                      templates=[*DETECTED, VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE])
+
+
+def test_image_rows_equal_bare_vllm_chat_row_for_row(parity_job, bare):
     rows, out, summary = parity_job
     assert out["sku"].to_list() == [r["sku"] for r in rows]
     assert out["error"].null_count() == len(rows), out["error"].to_list()
-    bare = bare_chat(vision_model, [conversation(r["title"], r["photo_name"],
-                                                 *([r["back_name"]] if r["back_name"] else []))
-                                    for r in rows], folder)
+    bare = bare["runs"][0]
     assert out["rewritten"].to_list() == [b["text"] for b in bare]
     assert out["prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare]
     # two images cost more prompt tokens than one, and the images change what is written
@@ -156,6 +222,110 @@ def test_image_rows_equal_bare_vllm_chat_row_for_row(parity_job, vision_model, f
     assert min(two) > max(one)
     assert len(set(out["rewritten"].to_list())) > 3
     assert summary.rows == len(rows)
+
+
+# -- a template that takes a message's content as one string (issue #56, 11)
+
+def test_a_string_content_template_gets_vllms_text_and_writes_what_llm_chat_writes(
+        parity_job, string_job, bare):
+    """vLLM's chat path hands a string-format template each message's text with an image's
+    placeholder in it; it once got a list and stopped the job ("can only concatenate str (not
+    list) to str"). Now row for row what LLM.chat writes on the same model, and not what the
+    list-format template's prompt makes (its prompt is another text)."""
+    rows, out, _ = parity_job
+    assert string_job["error"].null_count() == len(rows), string_job["error"].to_list()
+    assert string_job["rewritten"].to_list() == [b["text"] for b in bare["runs"][1]]
+    assert string_job["prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare["runs"][1]]
+    assert string_job["prompt_tokens"].to_list() != out["prompt_tokens"].to_list()
+    assert string_job["image_count"].to_list() == out["image_count"].to_list()
+
+
+def test_the_content_format_is_detected_as_vllm_detects_it(bare):
+    from pipelines.tiny_model import VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE
+    from udfs.chat_content import detect_content_format
+
+    templates = [*DETECTED, VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE]
+    assert [detect_content_format(t) for t in templates] == bare["formats"]
+    assert bare["formats"][-2:] == ["openai", "string"]
+    assert set(bare["formats"]) == {"openai", "string"}
+
+
+def _renderer(model: str, **spec):
+    from udfs.images import ImageSpec
+    from udfs.prompts import PromptRenderer, RenderSpec
+
+    return PromptRenderer(RenderSpec(**{
+        "template": TEMPLATE, "tokenizer": model, "max_model_len": 512, "max_tokens": 8,
+        "images": ImageSpec(columns=("photos",)), **spec}))
+
+
+def _photos(*titles_and_counts) -> pa.Table:
+    return pa.table({"title": [t for t, _ in titles_and_counts], "photos": pa.array(
+        [[IMAGES["blue.jpg"]] * n for _, n in titles_and_counts], pa.list_(pa.binary()))})
+
+
+def test_a_string_template_places_images_as_vllm_does_and_a_surplus_is_the_rows_error(
+        string_model):
+    """Each image's placeholder before the text, one a line; a text that holds the
+    placeholder already keeps it where it stands (vLLM counts it); more placeholders than
+    images is that row's image_error, the other rows rendered."""
+    renderer = _renderer(string_model)
+    assert renderer.content_format == "string"
+    assert renderer.render_text({"title": "a lamp"}, 2) == (
+        "<s>User: <image>\n<image>\nDescribe a lamp.<end_of_utterance>\nAssistant:")
+    out = renderer(_photos(("a lamp", 2), ("the <image> here", 1), ("<image> <image>", 1)))
+    kinds, errors = out.column("error_kind").to_pylist(), out.column("error").to_pylist()
+    assert kinds[:2] == [None, None] and kinds[2] == "image_error", errors
+    assert "more '<image>' placeholders than the message has images" in errors[2]
+    assert renderer.render_text({"title": "the <image> here"}, 1) == (
+        "<s>User: Describe the <image> here.<end_of_utterance>\nAssistant:")
+
+
+def test_a_content_format_that_fails_every_row_is_refused_before_any_engine(
+        string_model, folder):
+    """prompt.chat_template_content_format: openai on the string-format template (the job as
+    it was before): every row fails with one error, so pre-flight refuses in one line rather
+    than start an engine; each row's own render_error where the renderer runs."""
+    renderer = _renderer(string_model, chat_template_content_format="openai")
+    out = renderer(_photos(("a", 1), ("b", 2)))
+    assert out.column("error_kind").to_pylist() == ["render_error"] * 2
+    assert "can only concatenate str" in out.column("error")[0].as_py()
+    pq.write_table(pa.Table.from_pylist(parity_rows(folder)[:4]), folder / "four.parquet")
+    config = load_config(vision_config(string_model, folder / "four.parquet", folder / "none",
+                                       images=["photo", "back"], on_null="empty",
+                                       chat_template_content_format="openai"))
+    with pytest.raises(ConfigError) as refused:
+        plan_job(config)
+    assert str(refused.value).startswith(
+        "prompt: each row tried (the first block's) fails to render the same way, e.g. row "
+        "'P00': the model's chat template failed on this row: can only concatenate str")
+
+
+def test_a_chat_template_that_fails_one_row_fails_that_row_alone(tiny_model, tmp_path):
+    """Whatever the chat template raises for one row is that row's render_error; where it
+    raises for every row alike (a system message it refuses) pre-flight says so, once."""
+    from pipelines.tiny_model import CHAT_TEMPLATE, with_chat_template
+    from udfs.prompts import PromptRenderer, RenderSpec
+
+    picky = with_chat_template(tiny_model, tmp_path / "picky", (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% if 'boom' in m['content'] %}{{ m['content'] + 1 }}{% endif %}{% endfor %}"
+        + CHAT_TEMPLATE))
+    spec = RenderSpec(template="{{ title }}", tokenizer=picky, max_model_len=512, max_tokens=8)
+    out = PromptRenderer(spec)(pa.table({"title": ["fine", "boom", "also fine"]}))
+    assert out.column("error_kind").to_pylist() == [None, "render_error", None]
+    assert out.column("error")[1].as_py().startswith(
+        "the model's chat template failed on this row: ")
+    pq.write_table(pa.table({"sku": ["a", "b", "c"], "title": ["x", "y", "z"]}),
+                   tmp_path / "in.parquet")
+    config = load_config(job_config(picky, tmp_path / "in.parquet", tmp_path / "out",
+                                    input={"id_column": "sku"}, prompt={"template": "{{ title }}",
+                                                                        "system": "Be brief."}))
+    with pytest.raises(ConfigError, match=r"^prompt: each row tried .* e\.g\. row 'a': the "
+                                          r"model's chat template failed on this row: System "
+                                          r"role not supported$"):
+        plan_job(config)
 
 
 def test_the_output_and_the_report_count_the_images_and_their_tokens(parity_job, folder):

@@ -86,3 +86,26 @@ def test_row_is_only_ever_a_columns_name_away():
             raise AssertionError(f"{source} compiled")
     # a loop variable named row is the template's own, not the row
     assert compile_template("{% for row in rows %}{{ row }}{% endfor %}")[1] == ["rows"]
+
+
+def test_pre_flights_template_only_renders_as_the_tokenizer_does(tiny_model, tmp_path):
+    """Pre-flight renders sample rows through the chat template alone (udfs/chat_content.py:
+    TemplateOnly, transformers' Jinja environment without transformers): the same text as
+    the tokenizer's own apply_chat_template, for the tiny model's template, a thinking
+    template given its switch, and one with transformers' globals and filters."""
+    from pipelines.tiny_model import THINKING_CHAT_TEMPLATE, with_chat_template
+    from udfs.chat_content import TemplateOnly
+    from udfs.prompts import load_tokenizer
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi 🙂 {{ x }}"}]
+    fancy = ("{% for m in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
+             "{{ m | tojson }}{% if m['role'] == 'nobody' %}{{ raise_exception('no') }}"
+             "{% endif %}{% endfor %}\n  {% if add_generation_prompt %}<|assistant|>{% endif %}")
+    for template, kwargs in ((None, {}), (THINKING_CHAT_TEMPLATE, {"enable_thinking": False}),
+                             (fancy, {})):
+        model = tiny_model if template is None else with_chat_template(
+            tiny_model, tmp_path / str(len(kwargs)) / str(len(template)), template)
+        real = load_tokenizer(model).apply_chat_template(messages, tokenize=False,
+                                                         add_generation_prompt=True, **kwargs)
+        assert TemplateOnly(model).apply_chat_template(messages, **kwargs) == real

@@ -266,6 +266,8 @@ def test_the_retry_writer_merges_a_row_whose_samples_came_in_two_batches(tmp_pat
     assert writer(rerun.slice(0, 4)).num_rows == 0  # row 2's third sample still to come
     written = writer(rerun.slice(4))
     assert written["part"].to_pylist() == [part_name(0, 4)]
+    # its record counts the rows re-run (for the run's progress), not the part's four
+    assert written["input_rows"].to_pylist() == [2] and written["rows"].to_pylist() == [6]
     part = pq.read_table(tmp_path / part_name(0, 4))
     assert part.column("text").to_pylist() == [
         "0.0", "0.1", "0.2", "new0", "new1", "new2", "new3", "new4", "new5",

@@ -16,6 +16,8 @@ from jinja2 import StrictUndefined, TemplateSyntaxError, meta, nodes
 from jinja2.sandbox import SandboxedEnvironment
 
 from udfs import columns, images
+from udfs.chat_content import (ContentError, image_placeholder, resolve_content_format,
+                               string_content)
 from udfs.columns import ErrorKind, FinishReason
 from udfs.images import ImageSpec
 
@@ -178,6 +180,9 @@ class RenderSpec:
     # prompt.images: the columns of each row's images, which go into its user message before
     # the text; a messages column's image_url parts are images too, wherever they stand
     images: ImageSpec | None = None
+    # how the chat template reads a message's content (udfs/chat_content.py): "auto" as
+    # vLLM's chat path tells it from the template, or "string" / "openai"
+    chat_template_content_format: str = "auto"
 
 
 def _decoded(value):
@@ -247,16 +252,25 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 
 
 class PromptRenderer:
-    """``map_batches`` callable: adds the prompt's token ids, its length and any row error."""
+    """``map_batches`` callable: adds the prompt's token ids, its length and any row error.
+    Whatever fails for one row (its template, the model's chat template, its images, the
+    tokenizer) is that row's error, never the block's."""
 
-    def __init__(self, spec: RenderSpec):
+    def __init__(self, spec: RenderSpec, tokenizer=None, placeholder=None):
+        """``tokenizer``: the model's, loaded unless given (pre-flight gives the chat template
+        alone: udfs/chat_content.py, TemplateOnly); ``placeholder``: n -> the n-th image's
+        text in a string-format template (default: vLLM's model class's)."""
         self.spec = spec
         if spec.messages_column is not None:
             self.template, self.variables = None, [spec.messages_column]
         else:
             self.template, self.variables = compile_template(spec.template)
-        self.tokenizer = load_tokenizer(spec.tokenizer, spec.trust_remote_code)
+        self.tokenizer = tokenizer or load_tokenizer(spec.tokenizer, spec.trust_remote_code)
         self.use_chat = spec.chat and bool(getattr(self.tokenizer, "chat_template", None))
+        self.content_format = resolve_content_format(
+            _chat_template(self.tokenizer), spec.chat_template_content_format) \
+            if self.use_chat else "string"
+        self._image_mark = placeholder
         self.budget = spec.max_model_len - spec.max_tokens
         self.image_columns = spec.images.columns if spec.images is not None else ()
 
@@ -272,8 +286,7 @@ class PromptRenderer:
             if rendered else ([], [], [], [], [])
         if self.spec.keep_messages:
             counts = [self.images_count(f) for f in found or [None] * len(rows)]
-            messages = [json.dumps(self.render_messages(self.fill_nulls(row), count))
-                        if ids is not None else None
+            messages = [self._messages_json(row, count) if ids is not None else None
                         for row, ids, count in zip(rows, token_ids, counts)]
             batch = batch.append_column(columns.PROMPT_MESSAGES, pa.array(messages, pa.string()))
         if found is not None:  # the images of each prompt, loaded where the engine takes them
@@ -286,6 +299,13 @@ class PromptRenderer:
                 .append_column(columns.FINISH_REASON, pa.array(reasons, pa.string()))
                 .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
                 .append_column(columns.ERROR, pa.array(errors, pa.string())))
+
+    def _messages_json(self, row: dict, count: int) -> str | None:
+        """The row's chat messages as JSON (rendered before, so they render again)."""
+        try:
+            return json.dumps(self.render_messages(self.fill_nulls(row), count))
+        except Exception:  # noqa: BLE001 - never the block's end: the row keeps its ids
+            return None
 
     def images_of(self, batch: pa.Table, rows: list[dict]) -> list[list[dict] | str] | None:
         """Each row's image sources, in the order its prompt holds them, or the one line of
@@ -360,9 +380,33 @@ class PromptRenderer:
     def _text(self, raw: str | None, messages: list[dict] | None) -> str:
         if raw is not None:
             return raw
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+        return self.tokenizer.apply_chat_template(self.for_template(messages), tokenize=False,
                                                   add_generation_prompt=True,
                                                   **(self.spec.chat_template_kwargs or {}))
+
+    def for_template(self, messages: list[dict]) -> list[dict]:
+        """The messages as the chat template reads them, as vLLM's chat path hands them over
+        (udfs/chat_content.py): "openai", each content a list of parts (a text a text part);
+        "string", each content one string, an image's placeholder in it (a string-format
+        template given a list once stopped the job: "can only concatenate str (not list)")."""
+        out, taken = [], 0
+        for message in messages:
+            content = message["content"]
+            if self.content_format == "openai":
+                if isinstance(content, str):
+                    content = [{"type": "text", "text": content}]
+            elif isinstance(content, list):
+                content = string_content(content, self.image_mark, taken)
+                taken += sum(part.get("type") == "image" for part in message["content"])
+            out.append({**message, "content": content})
+        return out
+
+    def image_mark(self, n: int) -> str:
+        """The n-th image's placeholder in a string-format template's text."""
+        if self._image_mark is None:
+            self._image_mark = image_placeholder(self.spec.tokenizer,
+                                                 self.spec.trust_remote_code)
+        return self._image_mark(n)
 
     @staticmethod
     def fill_nulls(row: dict) -> dict:
@@ -385,7 +429,15 @@ class PromptRenderer:
             ids = self.tokenize(*text)
         except Exception as exc:  # noqa: BLE001 - a text the tokenizer refuses: the row's
             return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
-        return self._placed(ids, found) or self._fit(ids, max_tokens)
+        return self._result(ids, found, max_tokens)
+
+    def _result(self, ids: list[int], found, max_tokens: int | None) -> tuple:
+        """The row's result for its token ids; an error on the way is the row's."""
+        try:
+            return self._placed(ids, found) or self._fit(ids, max_tokens)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, this row's alone
+            return None, len(ids), None, ErrorKind.RENDER, _line(
+                f"the prompt's images cannot be placed on this row: {exc}")
 
     def render_rows(self, rows: list[dict], caps: list[int | None],
                     found: list[list[dict] | str] | None = None) -> list[tuple]:
@@ -395,7 +447,7 @@ class PromptRenderer:
         a call per row, holding the GIL, did. A subclass that renders rows its own way
         (``render_row``) keeps it."""
         if type(self).render_row is not PromptRenderer.render_row:
-            return [self.render_row(row, cap) for row, cap in zip(rows, caps)]
+            return [self._guarded(row, cap) for row, cap in zip(rows, caps)]
         found = found or [None] * len(rows)
         results: list = [self._render_text(row, images) for row, images in zip(rows, found)]
         for chat in (True, False):
@@ -407,9 +459,17 @@ class PromptRenderer:
             except Exception:  # noqa: BLE001 - one text the tokenizer refuses: row by row
                 encoded = [None] * len(todo)
             for i, ids in zip(todo, encoded):
-                results[i] = (self._placed(ids, found[i]) or self._fit(ids, caps[i])
+                results[i] = (self._result(ids, found[i], caps[i])
                               if ids is not None else self.render_row(rows[i], caps[i], found[i]))
         return results
+
+    def _guarded(self, row: dict, cap: int | None) -> tuple:
+        """A subclass's ``render_row``, whatever it raises this row's render_error."""
+        try:
+            return self.render_row(row, cap)
+        except Exception as exc:  # noqa: BLE001 - one row's, never the block's
+            return None, None, None, ErrorKind.RENDER, _line(f"template failed on this row: "
+                                                             f"{exc}")
 
     def _placed(self, ids: list[int], found) -> tuple | None:
         """None where the prompt's token ids hold one image placeholder per image; else the
@@ -431,7 +491,12 @@ class PromptRenderer:
 
     def _placeholder(self) -> list[int]:
         """The token ids the chat template writes for one image: found once, by rendering a
-        message with and without an image part."""
+        message with and without an image part (a string-format template: the placeholder
+        vLLM puts in the text, as the tokenizer reads it)."""
+        if getattr(self, "_image_run", None) is None and self.content_format == "string" \
+                and self.use_chat:
+            self._image_run = self.tokenizer.encode(self.image_mark(1),
+                                                    add_special_tokens=False)
         if getattr(self, "_image_run", None) is None:
             def ids(content):
                 return self.tokenize(self._text(None, [{"role": "user", "content": content}]),
@@ -475,14 +540,22 @@ class PromptRenderer:
             row = self.fill_nulls(row)
         try:
             raw, messages, _ = self.prompt(row, count)
-            # vLLM's chat path tokenizes a multimodal model's prompt with its special tokens
-            # added (its processor's default), a text model's without
-            images = bool(self.image_columns) or bool(found)
-            return [self._text(raw, messages), raw is None and not images]
         except NullValue as exc:  # a null inside a column, printed: as a column's null
             return None, None, None, ErrorKind.NULL_FIELD, str(exc)
         except Exception as exc:  # a template error on this row's values: the row's problem
-            return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
+            return None, None, None, ErrorKind.RENDER, _line(f"template failed on this row: "
+                                                             f"{exc}")
+        try:
+            text = self._text(raw, messages)
+        except ContentError as exc:  # the row's text holds more image placeholders
+            return None, None, None, ErrorKind.IMAGE, _line(str(exc))
+        except Exception as exc:  # noqa: BLE001 - the model's chat template, on this row
+            return None, None, None, ErrorKind.RENDER, _line(
+                f"the model's chat template failed on this row: {_reason(exc)}")
+        # vLLM's chat path tokenizes a multimodal model's prompt with its special tokens
+        # added (its processor's default), a text model's without
+        images = bool(self.image_columns) or bool(found)
+        return [text, raw is None and not images]
 
     def _fit(self, ids: list[int], max_tokens: int | None = None):
         """The row's result for its token ids: as they are, cut, skipped or an error."""
@@ -500,3 +573,57 @@ class PromptRenderer:
         return None, len(ids), None, ErrorKind.PROMPT_TOO_LONG, (
             f"prompt has {len(ids)} tokens; max_model_len {self.spec.max_model_len} "
             f"- max_tokens {self.spec.max_model_len - budget} leaves {budget}")
+
+
+def rows_fail_alike(spec: RenderSpec, table: pa.Table, key: str, trials: int = 20,
+                    least: int = 3) -> str | None:
+    """Where each of the first ``trials`` rows of ``table`` that can render (a null the row's
+    own error aside) fails to, with one and the same error, and at least ``least`` did: that
+    error, with the first such row's key ("row 'P01': the model's chat template failed on
+    this row: ..."); else None. Rendered as the job renders them, with the chat template
+    alone (``TemplateOnly``: no tokenizer, no torch); a model whose chat template is not in
+    its folder is not tried here. A string-format template's image placeholder stands in as
+    ``<image>`` (vLLM's own needs vLLM imported)."""
+    from udfs.chat_content import TemplateOnly
+
+    template = TemplateOnly(spec.tokenizer)
+    if spec.chat and template.chat_template is None:
+        return None  # (its tokenizer may hold one pre-flight cannot see)
+    try:
+        renderer = PromptRenderer(spec, tokenizer=template, placeholder=lambda n: "<image>")
+    except Exception:  # noqa: BLE001 - a template pre-flight checks elsewhere
+        return None
+    sample = table.slice(0, trials)
+    rows = [{name: sample.column(name)[i].as_py() for name in renderer.variables}
+            for i in range(sample.num_rows)]
+    found = renderer.images_of(sample, rows) or [None] * len(rows)
+    keys = sample.column(key).to_pylist()
+    errors = []
+    for i, (row, images) in enumerate(zip(rows, found)):
+        result = renderer._render_text(row, images)
+        if isinstance(result, list):
+            return None  # a row renders: the others' errors are their own
+        if result[3] == ErrorKind.RENDER:
+            errors.append((keys[i], result[4]))
+    if len(errors) < least or len({error for _, error in errors}) != 1:
+        return None
+    return f"row {errors[0][0]!r}: {errors[0][1]}"
+
+
+def _chat_template(tokenizer) -> str | None:
+    """The tokenizer's default chat template's text (a tokenizer may hold several, by name)."""
+    try:
+        return tokenizer.get_chat_template()
+    except Exception:  # noqa: BLE001 - none, or named ones without a default
+        template = getattr(tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+
+def _reason(exc: BaseException) -> str:
+    """What a template said: its own ``raise_exception`` message, or the error's."""
+    return str(exc) or type(exc).__name__
+
+
+def _line(text: str, limit: int = 500) -> str:
+    """A row's error in one line."""
+    return " ".join(text.split())[:limit]

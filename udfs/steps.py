@@ -104,9 +104,10 @@ def where_mask(table: pa.Table, expression: str) -> tuple[list[bool], dict[int, 
 def _holds(part: pa.Table, expr, rows: int) -> list[bool]:
     import polars as pl
 
-    frame = pl.from_arrow(part) if part.num_columns else pl.DataFrame()
-    if not isinstance(frame, pl.DataFrame):  # a table of one column may come back a Series
-        frame = frame.to_frame()
+    from udfs import to_polars
+
+    # (to_polars: a column of a type polars cannot take, a decimal256, as one it can)
+    frame = to_polars.frame(part) if part.num_columns else pl.DataFrame()
     values = frame.select(expr).to_series().to_list()
     return values * rows if len(values) == 1 and rows != 1 else values  # a constant filter
 

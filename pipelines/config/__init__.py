@@ -12,7 +12,8 @@ Unknown keys are errors that name the key; every error is reported as one line.
 
 from pipelines.config.engine import EngineConfig, HTTPEngineConfig, VLLMEngineConfig
 from pipelines.config.job import DEFAULT_COLUMN, POOLING_TASKS, JobConfig
-from pipelines.config.load import apply_overrides, load_config, parse_override
+from pipelines.config.load import (apply_overrides, load_config, load_yaml, parse_override,
+                                   read_yaml)
 from pipelines.config.sections import (InputConfig, ModelConfig, OutputConfig, PricePerMTok,
                                        PromptConfig, ReportConfig, ResourcesConfig,
                                        SamplingConfig, StructuredConfig)
@@ -22,4 +23,4 @@ __all__ = ["DEFAULT_COLUMN", "POOLING_TASKS", "STEP_NAME", "EngineConfig", "HTTP
            "InputConfig", "JobConfig", "ModelConfig", "OutputConfig", "PricePerMTok",
            "PromptConfig", "ReportConfig", "ResourcesConfig", "SamplingConfig", "StepConfig",
            "StructuredConfig", "VLLMEngineConfig", "apply_overrides", "load_config",
-           "parse_override"]
+           "load_yaml", "parse_override", "read_yaml"]

@@ -36,15 +36,73 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: {key}: {what}{more}"
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping gives one key twice: YAML's own loaders keep the last value, silently."""
+
+    def __init__(self, key, line: int):
+        super().__init__(f"key {key!r} is given twice")
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing a mapping that gives one key twice (a merge key's
+    ``<<: *defaults`` entries may still be overridden: that is what a merge is for)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    repeated = key in seen
+                except TypeError:  # an unhashable key: SafeLoader says so itself
+                    continue
+                if repeated:
+                    raise DuplicateKey(key, key_node.start_mark.line + 1)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, source: str, lines: bool = True) -> Any:
+    """YAML text as Python values, a key given twice refused; ConfigError, in one line
+    naming ``source`` and (``lines``: a file's) the line: "job.yaml:7: key 'max_tokens' is
+    given twice"."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except DuplicateKey as exc:
+        where = f":{exc.line}" if lines else ""
+        raise ConfigError(f"{source}{where}: {exc} (YAML would keep the last value "
+                          "silently; give it once)") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark and lines else ""
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError(f"{source}{where}: {'not' if lines else 'value is not'} valid YAML: "
+                          f"{problem}") from None
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's values (``load_yaml``); ConfigError in one line where it cannot be
+    read. Every YAML a user writes is read through here (job configs, serve's and batch's
+    --config)."""
+    name = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{name}: cannot read: {exc}") from None
+    return load_yaml(text, name)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'sampling.max_tokens=32' -> (['sampling', 'max_tokens'], 32); the value is YAML."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. sampling.max_tokens=32")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {key}: value is not valid YAML: {exc.problem}") from None
+    value = load_yaml(raw, f"--set {key}", lines=False) if raw.strip() else ""
     return key.strip().split("."), value
 
 
@@ -77,18 +135,7 @@ def load_config(
         raw, name = dict(source), "config"
     else:
         name = str(source)
-        try:
-            text = Path(source).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{name}: no such config file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{name}: cannot read: {exc}") from None
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{name}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        raw = read_yaml(source)
         if not isinstance(raw, dict):
             raise ConfigError(f"{name}: expected a mapping of sections (input, model, ...)")
     raw = apply_overrides(_deep_copy(raw), list(overrides))

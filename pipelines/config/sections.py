@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, field_validator, model_serializer,
+                      model_validator)
 
 
 class _Strict(BaseModel):
@@ -112,6 +113,10 @@ class PromptConfig(_Strict):
         None, description="The chat template's own switches, passed to it as vLLM's chat "
         "path passes them, e.g. {enable_thinking: false} for a thinking model that should "
         "answer at once.")
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto", description="How the chat template reads a message's content, as vLLM's "
+        "LLM.chat takes it: auto tells it from the template (vLLM's detection); string hands "
+        "it one text, each image's placeholder in it; openai a list of text and image parts.")
     adapter_column: str | None = Field(
         None, description="A column naming each row's LoRA adapter (one of model.adapters); "
         "null: model.adapter, or the base model. A name the job does not declare is that "
@@ -133,6 +138,15 @@ class PromptConfig(_Strict):
     fetch_image_urls: bool = Field(
         False, description="Fetch images given as http(s) URLs; off, such an image is its "
         "row's image_error.")
+
+    @model_serializer(mode="wrap")
+    def _auto_left_out(self, dump):
+        """chat_template_content_format: auto is left out of a dump (the job's fingerprint,
+        its record): an output written before the setting existed is the same job's."""
+        out = dump(self)
+        if isinstance(out, dict) and out.get("chat_template_content_format") == "auto":
+            del out["chat_template_content_format"]
+        return out
 
     @model_validator(mode="after")
     def _template_or_messages(self) -> PromptConfig:

@@ -42,13 +42,23 @@ class IdDigest:
 
     def __init__(self):
         self.nulls = 0
+        # a float id column's first NaN, by row: NaN equals nothing, not even another NaN, so
+        # two of them would pass as two ids (and a row's samples as rows of their own)
+        self.nan_at: int | None = None
+        self.rows = 0  # the ids added so far (added in row order)
         self._hashes: list = []  # numpy uint64 arrays, one per chunk added
 
     def add(self, values) -> None:
-        import polars as pl
+        from udfs import to_polars
 
-        series = pl.from_arrow(values if isinstance(values, (pa.Array, pa.ChunkedArray))
-                               else _id_array(values))
+        # (to_polars: any Arrow type, a decimal256 too, which polars' own import panics on)
+        series = to_polars.series(values if isinstance(values, (pa.Array, pa.ChunkedArray))
+                                  else _id_array(values))
+        if self.nan_at is None and series.dtype.is_float():
+            nans = series.is_nan().fill_null(False)
+            if nans.any():
+                self.nan_at = self.rows + int(nans.arg_true()[0])
+        self.rows += len(series)
         self.nulls += series.null_count()
         self._hashes.append(series.drop_nulls().hash(seed=0).to_numpy())
 

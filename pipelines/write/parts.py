@@ -111,7 +111,10 @@ def count_runs(keys: pa.ChunkedArray | pa.Array) -> int:
     if pa.types.is_struct(keys.type) or pa.types.is_list(keys.type) \
             or pa.types.is_large_list(keys.type):
         return input_offsets(keys.to_pylist())[-1] + 1
-    changed = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1))
+    try:
+        changed = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1))
+    except pa.ArrowNotImplementedError:  # a map, a fixed-size list, an interval: by value
+        return input_offsets(keys.to_pylist())[-1] + 1
     return 1 + (pc.sum(pc.fill_null(changed, True)).as_py() or 0)
 
 
