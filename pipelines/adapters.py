@@ -12,7 +12,6 @@ that is not there or not a LoRA, an adapter for another model (shapes that diffe
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -138,20 +137,13 @@ def _headers(path: Path) -> dict[str, list[int]]:
 
 
 def adapters_fingerprint(adapters: dict[str, str | None] | None) -> dict | None:
-    """What a resumed run must find unchanged: each adapter's config and weights (size and
-    a hash of the config; a retrained adapter at the same path is another job)."""
+    """What a resumed run must find unchanged, and a re-run's request keys hold: each
+    adapter's files, its weights by their content (pipelines/model_files.py: an adapter
+    retrained in place is another job, whatever its size)."""
+    from pipelines.model_files import adapter_fingerprint
+
     if not adapters:
         return None
-    out = {}
-    for name, path in sorted(adapters.items()):
-        if path is None:  # a server's adapter: its name is what the job sends
-            out[name] = None
-            continue
-        root = Path(path).expanduser()
-        config = root / "adapter_config.json"
-        weights = root / WEIGHTS
-        out[name] = {
-            "config": hashlib.sha256(config.read_bytes()).hexdigest()[:16]
-            if config.is_file() else None,
-            "weights bytes": weights.stat().st_size if weights.is_file() else None}
-    return out
+    # (a server's adapter, path None: its name is what the job sends)
+    return {name: None if path is None else adapter_fingerprint(path)
+            for name, path in sorted(adapters.items())}

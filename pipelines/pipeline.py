@@ -416,6 +416,8 @@ def job_metadata(plan: JobPlan) -> dict:
     meta = {"prefix": prefix, "added": config.generated_columns()}
     if plan.request_key is not None:
         meta["request_key"] = json.loads(plan.request_key.parts)
+        # the column that tells its input rows apart, where two ask for one request
+        meta["id_column"] = config.input.id_column or columns.ROW_ID
     return meta
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipelines.adapters import adapter_sampling, adapters_fingerprint, check_adapters
+from pipelines.model_files import model_fingerprint
 from pipelines.images import check_image_columns, check_model_takes_images, image_spec, \
     max_images
 from pipelines.request_key import KeySpec, key_columns, key_parts, step_key_columns
@@ -34,7 +35,7 @@ from udfs.parsers import SchemaError, StructuredSpec
 from udfs.predictor import SamplingSpec
 from udfs.pooler import PoolingSpec
 from udfs.prompts import (NullValue, PromptRenderer, RenderSpec, TemplateError,
-                          compile_template, load_tokenizer, render_template)
+                          compile_template, load_tokenizer, render_template, rows_fail_alike)
 
 
 @dataclass
@@ -113,9 +114,12 @@ def plan_job(config: JobConfig) -> JobPlan:
 
         if config.model.max_model_len is None:  # vLLM's limit for a sentence-transformer
             max_model_len = min(max_model_len, max_seq_length(config.model.name) or max_model_len)
-    elif config.sampling.max_tokens >= max_model_len:
+    elif config.steps is None and config.sampling.max_tokens >= max_model_len:
+        # (a job of steps: each step's own sampling, checked in plan_steps)
         raise ConfigError(f"sampling.max_tokens {config.sampling.max_tokens} leaves no room "
-                          f"for a prompt in max_model_len {max_model_len}")
+                          f"for a prompt in max_model_len {max_model_len}; lower it (e.g. "
+                          f"--set sampling.max_tokens={max(1, max_model_len // 2)}) or raise "
+                          "model.max_model_len")
     steps = None
     if config.steps is not None:
         from pipelines.steps import plan_steps
@@ -140,7 +144,13 @@ def plan_job(config: JobConfig) -> JobPlan:
         max_tokens_column=config_sampling.max_tokens_column,
         chat_template_kwargs=config_prompt.chat_template_kwargs,
         images=image_spec(config_prompt, config.input.path),
+        chat_template_content_format=config_prompt.chat_template_content_format,
     )
+    if config.steps is None and pooling is None and plan.blocks and (
+            config.prompt.messages_column is None or config.prompt.system is not None):
+        # (a messages column's rows, a Batch file's lines, are each their own conversation:
+        # failing alike, they are still each their own error)
+        _check_rows_render(config, plan, render)
     engine_options = (_http_engine_options(config) if config.engine.kind == "http" else {
         **vllm_engine_options(config.model, config.engine, max_model_len),
         **({"reasoning_parser": config.model.reasoning_parser,
@@ -387,6 +397,20 @@ def _check_template_renders(config: JobConfig, plan: InputPlan, variables: list[
                           f"first block's), e.g. row {first[0]!r}: {first[1]}")
 
 
+def _check_rows_render(config: JobConfig, plan: InputPlan, render: RenderSpec) -> None:
+    """Every row tried fails to become a prompt with one and the same error (the model's
+    chat template refusing the system message, a string-format template...): the job's
+    mistake, one line now, not a row error for each row once an engine has started
+    (udfs/prompts.py: rows_fail_alike)."""
+    key = config.input.id_column or columns.ORDINAL
+    table = read_block(plan.blocks[0], plan.schema)
+    failed = rows_fail_alike(render, table, key if key in table.column_names
+                             else columns.ORDINAL, TEMPLATE_TRIALS)
+    if failed is not None:
+        raise ConfigError(f"prompt: each row tried (the first block's) fails to render the "
+                          f"same way, e.g. {failed}")
+
+
 def _check_images(config: JobConfig, plan: InputPlan) -> int:
     """A job with images (any prompt's prompt.images): its columns hold images, the model
     takes them; -> the most images a prompt may hold (0: a job without images)."""
@@ -418,6 +442,10 @@ def _check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> 
         if plan.ids.nulls:
             raise InputError(f"input.id_column {id_column!r} is null in {plan.ids.nulls} "
                              "row(s)")
+        if plan.ids.nan_at is not None:  # NaN equals no other id, not even another NaN
+            raise InputError(f"input.id_column {id_column!r} has NaN at row "
+                             f"{plan.ids.nan_at} (counting from 0): an id must tell rows "
+                             "apart, and NaN equals nothing, itself included")
         repeats, dupes = _repeated_ids(plan, id_column)
         if repeats:
             shown = ", ".join(repr(d) for d in dupes)
@@ -465,12 +493,14 @@ def _repeated_ids(plan: InputPlan, id_column: str, shown: int = 5) -> tuple[int,
     suspects = sorted(plan.ids.repeated())
     import polars as pl
 
+    from udfs import to_polars  # as the scan hashed them (pipelines/read/scan.py: IdDigest)
+
     for first in range(0, len(suspects), 64):  # a further pass only if all 64 were flukes
         wanted = pl.Series(suspects[first:first + 64], dtype=pl.UInt64)
         counts: Counter = Counter()
         for unit in read_units(plan.blocks):
             for table in read_unit(unit, plan.schema):
-                ids = pl.from_arrow(table.column(id_column)).drop_nulls()
+                ids = to_polars.series(table.column(id_column)).drop_nulls()
                 counts.update(map(_hashable, ids.filter(ids.hash(seed=0).is_in(wanted))
                                   .to_list()))
         found = [v for v, n in counts.items() if n > 1]
@@ -504,6 +534,14 @@ def _resolve_model(config: JobConfig) -> int:
                           "chat template")
     if config.model.max_model_len is None and local and local.max_position_embeddings:
         return local.max_position_embeddings
+    if config.model.max_model_len is not None and config.engine.kind == "vllm":
+        # past the model's own limit vLLM refuses it, once an engine has started
+        from pipelines.images import read_model_config
+        from pipelines.max_model_len import check_max_model_len
+
+        check_max_model_len(name, config.model.max_model_len,
+                            read_model_config(name, remote_code),
+                            pooling=config.task != "generate")
     # (without a length in config.json, transformers reads the config and the tokenizer)
     return resolve_max_model_len(name, config.model.max_model_len, remote_code, tokenizer)
 
@@ -665,8 +703,11 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
         "input files": plan.fingerprint_parts(),
         "input": config.input.model_dump(exclude={"path"}),
         "prompt": config.prompt.model_dump() if config.prompt else None,
-        **({"steps": [s.model_dump() for s in config.steps]} if config.steps else {}),
-        "model": {**config.model.model_dump(), "max_model_len": max_model_len},
+        **({"steps": [_step_fingerprint(s) for s in config.steps]} if config.steps else {}),
+        # the model's files too: retrained, or its chat template edited, in place
+        "model": {**config.model.model_dump(), "max_model_len": max_model_len,
+                  "files": model_fingerprint(config.model.name,
+                                             getattr(config.engine, "args", None))},
         "sampling": config.sampling.model_dump(),
         # file_size_mb changes how the output is cut into files, not what it holds; reuse
         # where its rows come from, not what they are
@@ -677,6 +718,16 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
         **({"adapters": adapters_fingerprint(config.model.adapters)}
            if config.model.adapters else {}),
     }
+
+
+def _step_fingerprint(step) -> dict:
+    """A step's settings, its structured.json_schema file by its content, not its path (a
+    schema edited in place asks for other output)."""
+    dump = step.model_dump()
+    schema = (dump.get("structured") or {}).get("json_schema")
+    if isinstance(schema, str):  # (read and checked by plan_steps already)
+        dump["structured"]["json_schema"] = json.loads(Path(schema).read_text(encoding="utf-8"))
+    return dump
 
 
 # Engine settings that change how fast or where a job runs, not what it writes: a resumed run

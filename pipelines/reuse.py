@@ -13,6 +13,14 @@ key columns, never a dict of rows: both sides are hashed a block at a time and s
 files by their keys' bits, and each slice is joined by sorting, so the driver holds 5 bytes a
 new row (where its earlier outputs are) and one slice at a time.
 
+Two input rows never merge. Rows may share a key (a greedy job's duplicate texts under two
+ids: the same request); the earlier output's input rows are told apart by their ids and
+sample_index, never by the key (``_input_rows``), and the k-th new row with a key takes the
+k-th earlier input row with it (``_join``): each earlier row is carried over once at most. The
+lookup is row by row: an output a --retry-errors run with another max_tokens merged into holds
+rows keyed by either run's settings, each found by its own key. The earlier output is its parts
+by their names, or, where its files were renamed, every Parquet file in its folder.
+
 A job of steps: a row's key covers every step, and its output rows (its fan-out) are carried
 over together. When only its first steps are unchanged, both sides are keyed again by those
 steps alone (``KeySpec.first_steps``, over the earlier output's source values), and a row found
@@ -118,45 +126,49 @@ def reuse_source(config) -> Location | None:
 
 def plan_reuse(plan, source: Location) -> ReusePlan:
     """Find the new table's requests among the earlier output's (``plan``: a JobPlan)."""
-    files = [source / p.name for p in _parts(source)]
-    result = ReusePlan(source=str(source), rows=plan.input.num_rows, files=files)
-    if not files:
-        result.why_none = "the earlier output has no files"
+    files, why = earlier_files(source)
+    footers = [_footer(file) for file in files]
+    keyed = [(file, footer) for file, footer in zip(files, footers)
+             if columns.REQUEST_KEY in footer.names]
+    result = ReusePlan(source=str(source), rows=plan.input.num_rows,
+                       files=[file for file, _ in keyed])
+    if why is not None or not keyed:
+        result.why_none = why or ("the earlier output has no request_key column: it was "
+                                  "written before overnight kept one")
         return result
-    schema = _schema(files[0])
-    if columns.REQUEST_KEY not in schema.names:
-        result.why_none = ("the earlier output has no request_key column: it was written "
-                           "before overnight kept one")
-        return result
-    earlier = json.loads((schema.metadata or {}).get(columns.JOB_METADATA, b"{}"))
     spec = plan.request_key
-    theirs = earlier.get("request_key")
     ours = json.loads(spec.parts)
+    # each file's job: the settings its rows were keyed by (its first part's: a file of a
+    # --retry-errors run holds rows of both runs' settings, each with its own key)
+    settings = [footer.job.get("request_key") for _, footer in keyed]
+    theirs = next((s for s in settings if s == ours), settings[0])
     rekey = None  # the earlier rows' keys: their request_key column
+    why = None
     if spec.step_columns:  # a job of steps: its first steps may be all that is unchanged
         k, why = _unchanged_steps(theirs, ours)
         if k is not None and (k < len(ours["steps"]) or k < len(theirs["steps"])):
             result.from_step = k
             result.from_step_name = ours["steps"][k]["name"] if k < len(ours["steps"]) else None
             spec = rekey = spec.first_steps(k)  # keyed again, by those steps alone
-    else:
-        why = (f"{', '.join(changed_keys(theirs, ours))} changed"
-               if theirs is not None and theirs != ours else None)
     if rekey is not None and why is None:
+        names = set(keyed[0][1].names)
         missing = [c for c in rekey.columns
-                   if (c if c != columns.ORDINAL else columns.ROW_ID) not in schema.names]
+                   if (c if c != columns.ORDINAL else columns.ROW_ID) not in names]
         if missing:
             why = f"the earlier output has no column {missing[0]!r}"
+    earlier_rows = sum(footer.rows for _, footer in keyed)
     if why is not None:  # every key differs
         result.why_none = why
-        result.earlier_rows = result.dropped = _rows(files)  # (rows, not input rows: about)
+        result.earlier_rows = result.dropped = earlier_rows  # (rows, not input rows: about)
         return result
+    # (settings that differ in every file: no key can be the same; the rows are looked up
+    # all the same, each by its own key, and the line says what changed)
     with tempfile.TemporaryDirectory(prefix="overnight-reuse-") as spill:
-        slices = max(1, -(-max(plan.input.num_rows, _rows(files)) // SLICE_ROWS))
+        slices = max(1, -(-max(plan.input.num_rows, earlier_rows) // SLICE_ROWS))
         new = _Spill(spill, "new", slices)
         _spill_new(plan, spec, new)
         old = _Spill(spill, "old", slices)
-        result.file_rows = _spill_old(files, old, rekey, theirs or {})
+        result.file_rows = _spill_old(keyed, old, rekey, plan.config.input.id_column)
         result.earlier_rows = old.rows
         # 5 bytes a new row where they fit (the earlier output under 2^31 rows, a row's
         # samples under 256): the driver's one array the size of the table
@@ -167,8 +179,27 @@ def plan_reuse(plan, source: Location) -> ReusePlan:
             _join(new.read(i), old.read(i), result)
     result.reused = int((result.at >= 0).sum())
     if result.reused == 0 and result.why_none is None:
-        result.why_none = "no row's request is the same"
+        other = settings[0] if ours not in settings and rekey is None else None
+        result.why_none = (f"{', '.join(changed_keys(other, ours))} changed" if other
+                           else "no row's request is the same")
     return result
+
+
+def earlier_files(source: Location) -> tuple[list[Location], str | None]:
+    """The earlier output's Parquet files, and why there are none: its parts by their names
+    (``list_parts``), or, in a folder whose files were renamed (a copy, an export), every
+    Parquet file in it, read by its content; a file path is an output of one file."""
+    if not source.exists():
+        raise OutputError(f"output.reuse_from {str(source)!r}: no such output")
+    if not source.is_dir():
+        return [source], None
+    parts = list_parts(source)[0]
+    if parts:
+        return [source / p.name for p in parts], None
+    named = sorted(n for n in source.sizes() if n.endswith(".parquet") and not n.startswith("."))
+    if not named:
+        return [], "the earlier output has no Parquet files"
+    return [source / n for n in named], None
 
 
 def carry_over(plan, source: Location, layout, done: set[int]) -> tuple[dict, dict, str]:
@@ -236,23 +267,28 @@ def _unchanged_steps(theirs: dict | None, ours: dict) -> tuple[int | None, str |
     return k, None
 
 
-def _parts(source: Location):
-    if not source.exists():
-        raise OutputError(f"output.reuse_from {str(source)!r}: no such output")
-    return list_parts(source)[0]
+@dataclass
+class _Footer:
+    """What an earlier file's footer says: its columns, rows and the job that wrote it."""
+
+    names: list[str]
+    rows: int
+    job: dict
 
 
-def _schema(file: Location) -> pa.Schema:
-    with file.open() as handle:
-        return pq.read_schema(handle)
-
-
-def _rows(files: list[Location]) -> int:
-    total = 0
-    for file in files:
+def _footer(file: Location) -> _Footer:
+    try:
         with file.open() as handle:
-            total += pq.ParquetFile(handle).metadata.num_rows
-    return total
+            meta = pq.ParquetFile(handle)
+            schema, rows = meta.schema_arrow, meta.metadata.num_rows
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise OutputError(f"output.reuse_from {str(file)!r}: not a Parquet file "
+                          f"({' '.join(str(exc).split())[:160]})") from None
+    try:
+        job = json.loads((schema.metadata or {}).get(columns.JOB_METADATA, b"{}"))
+    except ValueError:
+        job = {}
+    return _Footer(schema.names, rows, job if isinstance(job, dict) else {})
 
 
 class _Spill:
@@ -301,27 +337,24 @@ def _spill_new(plan, spec: KeySpec, spill: _Spill) -> None:
             spill.add(records)
 
 
-def _spill_old(files: list[Location], spill: _Spill, rekey: KeySpec | None = None,
-               theirs: dict | None = None) -> np.ndarray:
-    """Each earlier input row (a run of its samples: one key, sample_index from 0; of a job
-    of steps, its rows: one key and one id): its key, first row (across the files), rows,
-    and whether all of them succeeded. Returns each file's first row, and the rows in all,
-    last. ``rekey``: the rows keyed again by it, from their own values, not read from their
-    request_key; ``theirs``: the earlier job's key parts."""
+def _spill_old(keyed: list, spill: _Spill, rekey: KeySpec | None = None,
+               id_column: str | None = None) -> np.ndarray:
+    """Each earlier input row (its run of rows: its samples, or a job of steps' fan-out): its
+    key, first row (across the files), rows, and whether all of them succeeded. Returns each
+    file's first row, and the rows in all, last. ``keyed``: (file, its _Footer) each;
+    ``rekey``: the rows keyed again by it, from their own values, not read from their
+    request_key; ``id_column``: this job's, where a file's job does not say its own."""
     starts = [0]
-    for file in files:
+    for file, footer in keyed:
+        names = footer.names
+        same = _id_column(footer, id_column)
+        wanted = [columns.REQUEST_KEY, columns.ERROR,
+                  *([columns.SAMPLE_INDEX] if columns.SAMPLE_INDEX in names else []),
+                  *([same] if same is not None else [])]
+        if rekey is not None:
+            wanted += [c if c != columns.ORDINAL else columns.ROW_ID for c in rekey.columns]
         with file.open() as handle:
-            reader = pq.ParquetFile(handle)
-            names = reader.schema_arrow.names
-            # an input row's rows: of a job of steps, one id (row_id, or the job's id column)
-            same = (columns.ROW_ID if columns.ROW_ID in names
-                    else ((theirs or {}).get("input") or {}).get("id_column"))
-            wanted = [columns.REQUEST_KEY, columns.ERROR,
-                      *([columns.SAMPLE_INDEX] if columns.SAMPLE_INDEX in names else []),
-                      *([same] if same in names else [])]
-            if rekey is not None:
-                wanted += [c if c != columns.ORDINAL else columns.ROW_ID for c in rekey.columns]
-            table = reader.read(columns=list(dict.fromkeys(wanted)))
+            table = pq.ParquetFile(handle).read(columns=list(dict.fromkeys(wanted)))
         n = table.num_rows
         if n:
             if rekey is None:
@@ -332,16 +365,9 @@ def _spill_old(files: list[Location], spill: _Spill, rekey: KeySpec | None = Non
                 high, low = request_words(table, rekey)
                 valid = table.column(columns.REQUEST_KEY).is_valid().to_numpy(
                     zero_copy_only=False)
-            new_run = np.ones(n, bool)
-            new_run[1:] = (high[1:] != high[:-1]) | (low[1:] != low[:-1])
-            if columns.SAMPLE_INDEX in wanted:
-                new_run |= table.column(columns.SAMPLE_INDEX).to_numpy(
-                    zero_copy_only=False) == 0
-            if same in table.column_names:
-                ids = table.column(same).combine_chunks()
-                new_run[1:] |= ~pc.fill_null(pc.equal(ids[1:], ids[:-1]), False).to_numpy(
-                    zero_copy_only=False)
-            firsts = np.flatnonzero(new_run)
+            firsts = np.flatnonzero(_input_rows(table, high, low, same,
+                                                "steps" in (footer.job.get("request_key")
+                                                            or {})))
             failed = table.column(columns.ERROR).is_valid().to_numpy(zero_copy_only=False)
             failed |= ~valid
             records = np.empty(len(firsts), spill.dtype)
@@ -354,50 +380,78 @@ def _spill_old(files: list[Location], spill: _Spill, rekey: KeySpec | None = Non
     return np.asarray(starts, np.int64)
 
 
+def _id_column(footer: _Footer, id_column: str | None) -> str | None:
+    """The earlier file's column that names its input rows: row_id, or its job's id column
+    (its metadata says; else this job's), where the file has it."""
+    for name in (columns.ROW_ID, footer.job.get("id_column"), id_column):
+        if name is not None and name in footer.names:
+            return name
+    return None
+
+
+def _input_rows(table: pa.Table, high: np.ndarray, low: np.ndarray, same: str | None,
+                steps: bool) -> np.ndarray:
+    """Where each earlier input row's rows start (a bool a row). Two neighbouring input rows
+    may ask for one request (a greedy job's duplicate texts under two ids): they are told
+    apart by their ids, and by sample_index, never by their keys alone. A one-prompt job's
+    input row is its samples (sample_index from 0), or one row; a job of steps', its rows of
+    one id."""
+    n = table.num_rows
+    new_run = np.ones(n, bool)
+    new_run[1:] = (high[1:] != high[:-1]) | (low[1:] != low[:-1])
+    if not steps:
+        if columns.SAMPLE_INDEX in table.column_names:
+            new_run |= pc.fill_null(pc.equal(table.column(columns.SAMPLE_INDEX), 0),
+                                    True).to_numpy(zero_copy_only=False)
+        else:
+            new_run[:] = True
+    if same is not None:
+        ids = table.column(same).combine_chunks()
+        new_run[1:] |= ~pc.fill_null(pc.equal(ids[1:], ids[:-1]), False).to_numpy(
+            zero_copy_only=False)
+    return new_run
+
+
 def _join(new: np.ndarray, old: np.ndarray, result: ReusePlan) -> None:
-    """One slice: each new row's earlier row with the same key (the first, if several)."""
+    """One slice: each new row's earlier input row, matched by (key, occurrence): the k-th new
+    row with a key (in the new table's order) takes the k-th earlier input row with it (in
+    the earlier output's order), so each earlier row is carried over once at most and two new
+    rows never share one. Rows share a key where their requests are the same (a greedy
+    job's duplicate texts): which of the earlier ones a new row takes changes nothing but
+    which ids they came from."""
     if len(old) == 0:
         return
-    order = np.lexsort((old["row"], old["low"], old["high"]))
-    old = old[order]
+    old = old[np.lexsort((old["row"], old["low"], old["high"]))]
+    new = new[np.lexsort((new["row"], new["low"], new["high"]))]
+    high = np.concatenate([old["high"], new["high"]])
+    low = np.concatenate([old["low"], new["low"]])
+    occurrence = np.concatenate([_occurrences(old), _occurrences(new)])
+    side = np.repeat(np.array([0, 1], np.int8), [len(old), len(new)])
+    order = np.lexsort((side, occurrence, low, high))
+    # an earlier row directly followed by a new one of the same (key, occurrence): a match
+    h, lo, occ, sd = high[order], low[order], occurrence[order], side[order]
+    pair = ((h[:-1] == h[1:]) & (lo[:-1] == lo[1:]) & (occ[:-1] == occ[1:])
+            & (sd[:-1] == 0) & (sd[1:] == 1))
+    earlier, later = order[:-1][pair], order[1:][pair] - len(old)
     # earlier rows the new table asks for again: not dropped
-    if len(new):
-        new_sorted = new[np.lexsort((new["low"], new["high"]))]
-        asked = _find(new_sorted, old) >= 0
-    else:
-        asked = np.zeros(len(old), bool)
-    result.dropped += int((~asked).sum())
-    if len(new) == 0:
-        return
-    at = _find(old, new)
-    hit = at >= 0
-    first = old[at[hit]]
-    ok = first["ok"]
+    result.dropped += len(old) - len(earlier)
+    ok = old["ok"][earlier]
     result.failed += int((~ok).sum())
-    rows = new["row"][hit][ok]
-    result.at[rows] = first["row"][ok]
-    result.count[rows] = first["count"][ok]
+    rows = new["row"][later][ok]
+    result.at[rows] = old["row"][earlier][ok]
+    result.count[rows] = old["count"][earlier][ok]
 
 
-def _find(table: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """For each of ``keys``, the index of the first row of ``table`` (sorted by high, low,
-    row) with the same key, or -1."""
-    found = np.full(len(keys), -1, np.int64)
-    if len(table) == 0:
-        return found
-    lo = np.searchsorted(table["high"], keys["high"], side="left")
-    inside = lo < len(table)
-    lo_in = np.minimum(lo, len(table) - 1)
-    same_high = inside & (table["high"][lo_in] == keys["high"])
-    same = same_high & (table["low"][lo_in] == keys["low"])
-    found[same] = lo_in[same]
-    # the same 64 high bits and other low ones: rare, looked up one by one
-    for i in np.flatnonzero(same_high & ~same):
-        end = np.searchsorted(table["high"], keys["high"][i], side="right")
-        match = np.flatnonzero(table["low"][lo[i]:end] == keys["low"][i])
-        if len(match):
-            found[i] = lo[i] + match[0]
-    return found
+def _occurrences(records: np.ndarray) -> np.ndarray:
+    """For records sorted by key: each one's place among those with its key (0, 1, ...)."""
+    n = len(records)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    first = np.ones(n, bool)
+    first[1:] = (records["high"][1:] != records["high"][:-1]) | \
+        (records["low"][1:] != records["low"][:-1])
+    starts = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    return np.arange(n) - starts
 
 
 def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:

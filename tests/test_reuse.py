@@ -443,3 +443,118 @@ def test_a_job_of_steps_killed_while_it_reruns_a_changed_step_resumes_to_the_sam
     out = pl.read_parquet(root / "steps-killed")
     assert out.equals(pl.read_parquet(root / "steps-judged-scratch"))
     assert out.height == 2 * ROWS
+
+
+# Nightly re-runs of a table where two rows ask for one request (a greedy job with an id
+# column, demo.yaml's shape: the id is not in the key): 10 rows, rows 2 and 3 and rows 6 and 7
+# rendering the same prompt under other ids, row 0 a null (an error, generated again)
+DUPLICATES = ((2, 3), (6, 7))
+
+
+def duplicate_table() -> list[dict]:
+    rows = [{"sku": f"D{i}", "title": f"Item {i}", "description": f"Thing {i}."}
+            for i in range(10)]
+    rows[0]["description"] = None
+    for a, b in DUPLICATES:
+        rows[b] = {**rows[a], "sku": rows[b]["sku"]}
+    return rows
+
+
+@pytest.fixture(scope="session")
+def duplicate_runs(tiny_model, tmp_path_factory, ray_cluster):
+    """Run; run again reusing it; --retry-errors with another max_tokens (the documented
+    way out of a budget too small); validate and run again reusing that."""
+    root = tmp_path_factory.mktemp("duplicates")
+    pq.write_table(pa.Table.from_pylist(duplicate_table()), root / "t.parquet")
+
+    def job(max_tokens: int = 4, **output):
+        return load_config(config(tiny_model, root, "t.parquet", "out",
+                                  input={"id_column": "sku"}, output=output,
+                                  sampling={"temperature": 0.0, "max_tokens": max_tokens}))
+
+    run_job(job())
+    first = pl.read_parquet(root / "out")
+    again = run_job(job(reuse=True))
+    second = pl.read_parquet(root / "out")
+    run_job(job(max_tokens=5), retry_errors=True)
+    retried = pq.read_schema(next((root / "out").glob("*.parquet"))).metadata
+    predicted = validate_job(job(reuse=True)).reuse
+    third = run_job(job(reuse=True))
+    return {"root": root, "first": first, "second": second, "again": again, "third": third,
+            "predicted": predicted, "retried": retried, "job": job}
+
+
+def test_two_rows_with_one_request_stay_two_rows_night_after_night(duplicate_runs):
+    """Each input row takes its own earlier row: 10 rows, each id once, equal to the first
+    run's, after a reuse run and another after a --retry-errors (10 rows became 12 and 16)."""
+    first = duplicate_runs["first"]
+    assert first.height == 10 and first["sku"].to_list() == [f"D{i}" for i in range(10)]
+    for a, b in DUPLICATES:  # (one request: one key, two rows)
+        assert first["request_key"][a] == first["request_key"][b]
+    for out in (duplicate_runs["second"], pl.read_parquet(duplicate_runs["root"] / "out")):
+        assert out.equals(first)
+    assert duplicate_runs["again"].reuse["reused"] == 9  # (row 0 failed: generated again)
+    assert duplicate_runs["again"].reuse["dropped"] == 0
+
+
+def test_a_reuse_after_retry_errors_with_another_max_tokens_reuses_the_other_rows(
+        duplicate_runs):
+    """The retried row is keyed by max_tokens 5, the rest by 4, and the file's metadata says
+    5 (its first part's): each row is found by its own key, not by the file's settings."""
+    meta = json.loads(duplicate_runs["retried"][b"overnight.job"])
+    assert meta["request_key"]["sampling"]["max_tokens"] == 5
+    out = duplicate_runs["root"] / "out"
+    assert duplicate_runs["predicted"] == (
+        f"reuse: 9 of 10 rows reusable from {out}; 1 to generate; 1 earlier rows no longer "
+        "asked for (removed or changed)")
+    assert duplicate_runs["third"].reuse["reused"] == 9
+
+
+def test_reuse_from_a_file_or_a_folder_of_renamed_files_reads_them_by_content(
+        duplicate_runs, tiny_model, tmp_path):
+    """--reuse-from a part file, or a snapshot whose files were renamed: the rows are found
+    in them; a file that is not Parquet is one line, no traceback."""
+    job, root = duplicate_runs["job"], duplicate_runs["root"]
+    (part,) = (root / "out").glob("part-*.parquet")
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    shutil.copy(part, snapshot / "2026-12-05.parquet")
+    for source in (part, snapshot):
+        assert validate_job(job(reuse_from=str(source))).reuse == (
+            f"reuse: 9 of 10 rows reusable from {source}; 1 to generate; 1 of them failed "
+            "before")
+    (tmp_path / "empty").mkdir()
+    assert validate_job(job(reuse_from=str(tmp_path / "empty"))).reuse.endswith(
+        "(the earlier output has no Parquet files)")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config(tiny_model, root, "t.parquet", "out")))
+    refused = overnight("validate", path, "--reuse-from", path)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        f"overnight: error: output.reuse_from {str(path)!r}: not a Parquet file")
+    assert "Traceback" not in refused.stderr
+
+
+def test_the_lookup_tells_input_rows_apart_and_takes_each_earlier_row_once():
+    """No engine: an earlier output's input rows by their ids and samples, never their keys
+    alone; new rows with one key matched to earlier rows by (key, occurrence)."""
+    import numpy as np
+
+    from pipelines.reuse import ReusePlan, _input_rows, _join, _Spill
+
+    high, low = np.array([1, 1, 1, 2], np.uint64), np.array([5, 5, 5, 6], np.uint64)
+    ids = pa.table({"sku": ["a", "b", "b", "c"], "sample_index": [0, 0, 1, 0]})
+    assert _input_rows(ids.select(["sku"]), high, low, "sku", steps=False).tolist() == \
+        [True, True, True, True]  # (one-prompt job, no samples: a row each)
+    assert _input_rows(ids, high, low, "sku", steps=False).tolist() == \
+        [True, True, False, True]
+    assert _input_rows(ids, high, low, None, steps=True).tolist() == \
+        [True, False, False, True]  # (no ids at all: the key's runs, as before)
+    old = np.array([(1, 5, 0, 1, True), (1, 5, 1, 2, True), (2, 6, 3, 1, True),
+                    (9, 9, 4, 1, True)], _Spill.DTYPE["old"])
+    new = np.array([(1, 5, 0), (2, 6, 1), (1, 5, 2), (1, 5, 3)], _Spill.DTYPE["new"])
+    plan = ReusePlan(source="s", rows=4)
+    plan.at, plan.count = np.full(4, -1, np.int64), np.zeros(4, np.int32)
+    _join(new, old, plan)
+    assert plan.at.tolist() == [0, 3, 1, -1] and plan.count.tolist() == [1, 1, 2, 0]
+    assert plan.dropped == 1 and plan.failed == 0
