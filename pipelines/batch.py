@@ -39,7 +39,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 from pipelines import batch_anthropic as anthropic
 from pipelines import batch_embeddings as embeddings
 from pipelines import batch_responses as responses
-from pipelines.config import JobConfig, apply_overrides, load_config
+from pipelines.config import JobConfig, apply_overrides, load_config, read_yaml
 from pipelines.errors import ConfigError, InputError, OutputError
 from pipelines.storage import Location, scrub_record
 from pipelines.write import list_parts, write_atomically
@@ -83,7 +83,7 @@ class _Body(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1, le=128)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # OpenAI's: an int64
     stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
     stream: bool | None = None
@@ -106,7 +106,12 @@ class _Body(BaseModel):
     def _bias(cls, value):
         from udfs.predictor import check_logit_bias
 
-        return check_logit_bias(value)
+        value = check_logit_bias(value)
+        for token in value if isinstance(value, dict) else ():
+            # ASCII digits an int64 holds: "²" passes str.isdigit and int() refuses it
+            if not (token.isascii() and token.isdigit() and len(token) <= 18):
+                raise ValueError(f"{token[:20]!r} is not a token id")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -163,34 +168,47 @@ def _error_line(line: int, custom_id, code: str, message: str) -> dict:
 
 
 def _id(prefix: str, custom_id, line: int) -> str:
-    return f"{prefix}_{hashlib.sha1(f'{custom_id}:{line}'.encode()).hexdigest()[:24]}"
+    key = f"{custom_id}:{line}".encode("utf-8", "surrogatepass")  # any custom_id a line holds
+    return f"{prefix}_{hashlib.sha1(key).hexdigest()[:24]}"
 
 
-def _content(content) -> str | list[dict]:
+def jsonl(obj: dict) -> str:
+    """One JSONL line, UTF-8 as written; \\u escapes where a value holds a lone surrogate
+    (a custom_id such as "\\ud800"), which no UTF-8 file can hold as it is."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj)
+    return text + "\n"
+
+
+def _content(content, where: str = "content") -> str | list[dict]:
     """A message's content: a string; a list of text parts, joined; or, where it holds images,
     its text and ``image_url`` parts (a ``data:`` or http(s) URL each; ``detail`` is accepted
-    and, as in vLLM, has no effect) in their order."""
+    and, as in vLLM, has no effect) in their order. ValueError names the part (``where``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
-        raise ValueError("message content must be a string or a list of content parts")
-    kinds = {p.get("type") for p in content}
-    if not kinds <= {"text", "image_url"}:
-        other = sorted(str(k) for k in kinds - {"text", "image_url"})[0]
-        raise ValueError(f"content parts of type {other!r} are not supported (text and "
-                         "image_url are)")
-    if kinds <= {"text"}:
-        return "".join(str(p.get("text", "")) for p in content)
+        raise ValueError(f"{where}: must be a string or a list of content parts")
+    for i, part in enumerate(content):  # each part's fields checked before they are used
+        if part.get("type") not in ("text", "image_url"):
+            raise ValueError(f"{where}[{i}]: parts of type {str(part.get('type'))[:40]!r} "
+                             "are not supported (text and image_url are)")
+        if part["type"] == "text" and not isinstance(part.get("text", ""), str):
+            raise ValueError(f"{where}[{i}].text: must be a string")
+    if all(p["type"] == "text" for p in content):
+        return "".join(p.get("text", "") for p in content)
     parts = []
-    for part in content:
+    for i, part in enumerate(content):
         if part["type"] == "text":
-            parts.append({"type": "text", "text": str(part.get("text", ""))})
+            parts.append({"type": "text", "text": part.get("text", "")})
             continue
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else None
         if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
-            raise ValueError("an image_url part needs image_url.url, a data: URL or an "
-                             "http(s) URL")
+            raise ValueError(f"{where}[{i}]: an image_url part needs image_url.url, a data: "
+                             "URL or an http(s) URL")
         parts.append({"type": "image_url", "image_url": {"url": url}})
     return parts
 
@@ -200,24 +218,68 @@ def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int,
     """One line -> one row of the prepared table; raises _Reject (code, message, the line's
     custom_id when it could be read) if it cannot run. ``default_max_tokens`` None: a request
     without max_tokens may use the room its prompt leaves (its row's max_tokens is null until
-    ``prepare`` has counted the prompt). ``fmt`` "anthropic": a Message Batches line."""
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise _Reject("invalid_json", f"not valid JSON: {exc.msg}") from None
+    ``prepare`` has counted the prompt). ``fmt`` "anthropic": a Message Batches line.
+
+    Whatever a line holds, it is that line's _Reject or its row, never another exception:
+    one bad value once raised out of ``prepare`` and failed the whole file."""
+    data = load_line(raw)
     if not isinstance(data, dict):
         raise _Reject("invalid_request", "a line must be a JSON object")
     custom_id = data.get("custom_id")
     try:
         if fmt == anthropic.FORMAT:
-            return {CUSTOM_ID: custom_id, **anthropic.parse_line(data, _Reject)}
-        if anthropic.is_anthropic(data):
+            row = {CUSTOM_ID: custom_id, **anthropic.parse_line(data, _Reject, max_model_len)}
+        elif anthropic.is_anthropic(data):
             raise _Reject("invalid_request", "a Message Batches line (custom_id, params) in "
                           "an OpenAI Batch file; put it in a file of its own")
-        return _parse(data, default_max_tokens, max_model_len)
+        else:
+            row = _parse(data, default_max_tokens, max_model_len)
+        _check_text(row)
+        return row
     except _Reject as reject:
         reject.custom_id = custom_id if isinstance(custom_id, str) else None
         raise
+    except Exception as exc:  # noqa: BLE001 - a value no check foresaw: this line's error
+        reject = _Reject("invalid_request", f"cannot be read: {one_line(exc)}")
+        reject.custom_id = custom_id if isinstance(custom_id, str) else None
+        raise reject from None
+
+
+def load_line(raw: str | bytes):
+    """A line's JSON, or _Reject ``invalid_json`` for anything ``json.loads`` refuses: bad
+    syntax, a nesting too deep for it (RecursionError), an integer of over 4,300 digits."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _Reject("invalid_json", f"not valid JSON: {exc.msg}") from None
+    except RecursionError:
+        raise _Reject("invalid_json", "not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # Python's limit on an integer's digits
+        raise _Reject("invalid_json", f"not valid JSON: {one_line(exc)}") from None
+
+
+def one_line(exc: BaseException, most: int = 200) -> str:
+    """An exception as one short line: its type where its text alone says little."""
+    text = " ".join(str(exc).split()).split("; use sys.set_int_max_str_digits")[0]
+    text = text if text else type(exc).__name__
+    if isinstance(exc, (TypeError, AttributeError, KeyError, IndexError, RecursionError)):
+        text = f"{type(exc).__name__}: {text}"
+    return text[:most]
+
+
+def _check_text(row: dict) -> None:
+    """Every text of the row is UTF-8: a lone surrogate (a JSON escape such as ``\\ud800``
+    that pairs with nothing) once failed the prepared table's write, for every line."""
+    for key, value in row.items():
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = {PROMPT: "the prompt", OVERRIDES: "a sampling field",
+                         MODEL: "body.model"}.get(key, key)
+                raise _Reject("invalid_body" if key != CUSTOM_ID else "invalid_request",
+                              f"{where}: holds {value[exc.start]!r}, a lone surrogate, "
+                              "which is not text") from None
 
 
 def _parse(data: dict, default_max_tokens: int | None, max_model_len: int) -> dict:
@@ -285,39 +347,67 @@ def _message(index: int, message: dict) -> dict:
     if extra:
         raise _Reject("invalid_body", f"{where}.{extra[0]}: not supported by overnight, "
                       "which would have to ignore it; remove it")
+    if not isinstance(message["role"], str) or not message["role"]:
+        raise _Reject("invalid_body", f"{where}.role: must be a string such as 'user'")
     try:
-        return {"role": str(message["role"]), "content": _content(message.get("content"))}
+        return {"role": message["role"],
+                "content": _content(message.get("content"), f"{where}.content")}
     except ValueError as exc:
-        raise _Reject("invalid_body", f"{where}: {exc}") from None
+        raise _Reject("invalid_body", str(exc)) from None
 
 
-def _response_format(fmt: dict) -> dict:
+def _response_format(fmt: dict, where: str = "body.response_format",
+                     schema_at: str | None = None) -> dict:
+    """A response_format's structured output (``json_schema`` in the overrides); its fields'
+    types checked before use. ``schema_at``: where the schema sits, for the messages."""
+    schema_at = schema_at or f"{where}.json_schema.schema"
     kind = fmt.get("type")
+    if kind is not None and not isinstance(kind, str):
+        raise _Reject("invalid_body", f"{where}.type: must be a string")
     if kind in (None, "text"):
         return {}
     if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise _Reject("invalid_body", "body.response_format.json_schema.schema must be "
-                          "a JSON Schema object")
-        import jsonschema
-
-        # A valid JSON Schema is all the engine needs: a Batch result is text, never parsed
-        # into a typed column (so $ref, anyOf and free-form objects are all fine)
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            where = "/".join(map(str, exc.path)) or "the top level"
-            raise _Reject("invalid_body", f"body.response_format.json_schema.schema: at "
-                          f"{where}: {exc.message}"[:300]) from None
-        return {"json_schema": schema}
+        spec = fmt.get("json_schema") or {}
+        if not isinstance(spec, dict):
+            raise _Reject("invalid_body", f"{where}.json_schema: must be an object with "
+                          "the schema in its 'schema'")
+        return {"json_schema": check_json_schema(spec.get("schema"), schema_at)}
     if kind == "json_object":
         return {"json_schema": {"type": "object"}}
-    raise _Reject("invalid_body", f"body.response_format.type {kind!r} is not supported")
+    raise _Reject("invalid_body", f"{where}.type {kind[:40]!r} is not supported")
+
+
+def check_json_schema(schema, where: str) -> dict:
+    """A response's JSON Schema, checked as one (any draft its ``$schema`` names). A valid
+    JSON Schema is all the engine needs: a Batch result is text, never parsed into a typed
+    column (so $ref, anyOf and free-form objects are all fine). What the engine's grammar
+    cannot take (a look-behind, a $ref to nowhere) is that request's error in the run, in
+    vLLM's words."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise _Reject("invalid_body", f"{where} must be a JSON Schema object")
+    if not isinstance(schema.get("$schema", ""), str):
+        raise _Reject("invalid_body", f"{where}.$schema: must be a string (a draft's URI)")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        at = "/".join(map(str, exc.path)) or "the top level"
+        raise _Reject("invalid_body", f"{where}: at {at}: {exc.message}"[:300]) from None
+    except Exception as exc:  # noqa: BLE001 - a schema the checker itself cannot walk
+        raise _Reject("invalid_body", f"{where}: not a JSON Schema the checker can read "
+                      f"({one_line(exc, 120)})") from None
+    return schema
 
 
 class _Reject(ValueError):
+    """A line that cannot run: its error line's code and one-line message (a key or value
+    quoted from the line is cut short, its line breaks made spaces)."""
+
     def __init__(self, code: str, message: str):
+        message = " ".join(message.split()) if "\n" in message or "\r" in message \
+            else message
+        message = message if len(message) <= 400 else message[:399] + "…"
         super().__init__(message)
         self.code, self.message, self.custom_id = code, message, None
 
@@ -328,8 +418,8 @@ def file_format(requests: Path) -> str:
     with open(requests, "rb") as source:
         for raw in source:
             try:
-                data = json.loads(raw)
-            except ValueError:
+                data = load_line(raw)
+            except _Reject:  # not JSON (nested too deep for it included): the next line
                 continue
             if isinstance(data, dict):
                 return anthropic.FORMAT if anthropic.is_anthropic(data) else "openai"
@@ -382,8 +472,7 @@ def prepare(requests: Path, work: Path, default_max_tokens: int | None,
                 except _Reject as caught:
                     row, exc = None, caught
                 if row is None:
-                    bad.write(json.dumps(_error_line(number, exc.custom_id, exc.code,
-                                                     exc.message), ensure_ascii=False) + "\n")
+                    bad.write(jsonl(_error_line(number, exc.custom_id, exc.code, exc.message)))
                     rejected += 1
                     continue
                 seen.add(row[CUSTOM_ID])
@@ -548,9 +637,11 @@ def write_results(job_output: Path, rejected: Path, results: Path, errors: Path 
     """The job's parts -> result lines (in input order); failed rows and rejected lines ->
     error lines (in line order), both committed at once (see WRITTEN). Returns (results,
     errors). A result on a LoRA adapter (one of ``adapters``) names it as its model. ``fmt``
-    "anthropic": one file (``errors`` None) of every line's result, in line order; with
+    "anthropic": one file (``errors`` None) of every line's result, in line order. With
     ``unfinished`` ("canceled", "expired" or "errored": a batch stopped before its end), a
-    request the job did not reach has a result of that type."""
+    request the job did not reach has a result of that type (Anthropic's), or an error line
+    with the hosted Batch API's code for it (``UNFINISHED_CODES``): every request is in one
+    of the files, whatever the batch's end."""
     finish_write(results, errors)  # an earlier commit first: its staged files are not leftovers
     for path in (results, errors):  # staged files of writes killed before their commit
         for leftover in path.parent.glob(f".{path.name}.*.staged") if path else ():
@@ -564,33 +655,109 @@ def write_results(job_output: Path, rejected: Path, results: Path, errors: Path 
     ok = failed = 0
     created = int(time.time())
     token_bytes = token_bytes_of(tokenizer)  # a token's bytes, for the logprobs' byte fields
-    with open(staged_ok, "w", encoding="utf-8") as out, open(failures, "w") as fail:
-        for part in list_parts(Location.of(job_output))[0]:  # in input order
+    parts = _parts(job_output)
+    with open(staged_ok, "w", encoding="utf-8") as out, \
+            open(failures, "w", encoding="utf-8") as fail:
+        for part in parts:  # in input order
             for request in _requests(pq.read_table(job_output / part.name)):
                 adapter = request[0].get(MODEL)
                 line = _result_line(request, adapter if adapter in adapters else model,
                                     created, token_bytes)
                 target = out if line["error"] is None else fail
-                target.write(json.dumps(line, ensure_ascii=False) + "\n")
+                target.write(jsonl(line))
                 ok += line["error"] is None
-    with open(staged_errors, "w", encoding="utf-8") as out, open(rejected) as a, \
-            open(failures) as b:
-        for line in heapq.merge(a, b, key=lambda text: json.loads(text)["error"]["line"]):
+    unreached = (jsonl(unfinished_error(custom_id, unfinished, line)) for line, custom_id
+                 in _unreached(job_output, parts)) if unfinished else iter(())
+    with open(staged_errors, "w", encoding="utf-8") as out, \
+            open(rejected, encoding="utf-8") as a, open(failures, encoding="utf-8") as b:
+        for line in heapq.merge(a, b, unreached,
+                                key=lambda text: json.loads(text)["error"]["line"]):
             out.write(line)
-            failed += 1  # every error line, rejected or failed in the run
-    _commit(results, errors, (staged_ok, staged_errors), [ok, failed])
+            failed += 1  # every error line: rejected, failed in the run, or not reached
+    _commit(results, errors, (staged_ok, staged_errors), [ok, failed], unfinished)
     failures.unlink()
     return ok, failed
 
 
-def _commit(results: Path, errors: Path | None, staged: tuple, counts: list[int]) -> None:
+# The hosted Batch API's error codes for the requests a batch did not reach before it ended
+# (cancelled, expired; failed: the job could not go on), with its words
+UNFINISHED_CODES = {
+    "canceled": ("batch_cancelled", "This request was not executed because the batch was "
+                 "cancelled."),
+    "expired": ("batch_expired", "This request could not be executed before the completion "
+                "window expired."),
+    "errored": ("batch_failed", "This request was not executed because the batch failed "
+                "before reaching it."),
+}
+
+
+def unfinished_error(custom_id, kind: str, line: int) -> dict:
+    """The error line of a request a stopped batch did not reach (``kind``: canceled,
+    expired, errored), in the hosted API's shape, with its line as every error line has."""
+    code, message = UNFINISHED_CODES[kind]
+    return _error_line(line, custom_id, code, message)
+
+
+def _parts(job_output: Path) -> list:
+    """The job's committed parts in input order; none where it wrote none yet."""
+    return list_parts(Location.of(job_output))[0] if job_output.is_dir() else []
+
+
+def _unreached(job_output: Path, parts: list):
+    """(line, custom_id) of each prepared request no committed part holds, in line order."""
+    done = set()
+    for part in parts:
+        done.update(pq.read_table(job_output / part.name, columns=[LINE])
+                    .column(LINE).to_pylist())
+    prepared = pq.ParquetFile(job_output.parent / "requests.parquet")
+    for group in range(prepared.num_row_groups):
+        table = prepared.read_row_group(group, columns=[CUSTOM_ID, LINE])
+        for custom_id, line in zip(table.column(CUSTOM_ID).to_pylist(),
+                                   table.column(LINE).to_pylist()):
+            if line not in done:
+                yield line, custom_id
+
+
+def write_unstarted(requests: Path, results: Path, errors: Path | None, unfinished: str) \
+        -> tuple[int, int]:
+    """A batch stopped before its job prepared anything (cancelled or expired in the queue,
+    failed before its start): every line of its file is a request not reached, its error
+    line (``errors`` None: a Message Batches file, a result of that type), committed as a
+    run's files are. Returns (results, errors): (0, lines)."""
+    token = uuid.uuid4().hex[:8]
+    staged = (_staged(results, token), errors and _staged(errors, token))
+    count = 0
+    with open(staged[0], "w", encoding="utf-8") as out, \
+            open(staged[1] or os.devnull, "w", encoding="utf-8") as bad, \
+            open(requests, "rb") as source:
+        for number, raw in enumerate(source, start=1):
+            if not raw.strip():
+                continue
+            try:
+                custom_id = load_line(raw).get("custom_id")
+            except (_Reject, AttributeError):  # not an object: no custom_id to give
+                custom_id = None
+            custom_id = custom_id if isinstance(custom_id, str) else None
+            if errors is None:
+                out.write(jsonl(anthropic.unfinished(custom_id, unfinished, number)))
+            else:
+                bad.write(jsonl(unfinished_error(custom_id, unfinished, number)))
+            count += 1
+    work_dir(results).mkdir(parents=True, exist_ok=True)
+    _commit(results, errors, staged, [0, count], unfinished)
+    return 0, count
+
+
+def _commit(results: Path, errors: Path | None, staged: tuple, counts: list[int],
+            unfinished: str | None = None) -> None:
     """The staged files synced, the journal naming them written (the commit point), each
-    renamed into place (see WRITTEN). ``errors`` None: one file, ``staged`` (file, None)."""
+    renamed into place (see WRITTEN). ``errors`` None: one file, ``staged`` (file, None).
+    ``unfinished``: the files of a batch stopped before its end, which the journal says."""
     for path in staged:
         if path is not None:
             _fsync(path)
     record = {"results": str(results), "errors": errors and str(errors), "counts": counts,
-              "staged": [path and str(path) for path in staged]}
+              "staged": [path and str(path) for path in staged], "unfinished": unfinished}
     write_atomically(work_dir(results) / WRITTEN, lambda tmp: tmp.write_text(json.dumps(record)))
     finish_write(results, errors)
 
@@ -602,20 +769,11 @@ def _write_anthropic(job_output: Path, rejected: Path, results: Path, token: str
     the requests not reached."""
     staged = _staged(results, token)
     counts = [0, 0]  # succeeded, errored
-    parts = list_parts(Location.of(job_output))[0] if job_output.is_dir() else []
+    parts = _parts(job_output)
 
     def unreached():
-        done = set()
-        for part in parts:
-            done.update(pq.read_table(job_output / part.name, columns=[LINE])
-                        .column(LINE).to_pylist())
-        prepared = pq.ParquetFile(job_output.parent / "requests.parquet")
-        for group in range(prepared.num_row_groups):
-            table = prepared.read_row_group(group, columns=[CUSTOM_ID, LINE])
-            for custom_id, line in zip(table.column(CUSTOM_ID).to_pylist(),
-                                       table.column(LINE).to_pylist()):
-                if line not in done:
-                    yield line, anthropic.unfinished(custom_id, unfinished, line)
+        for line, custom_id in _unreached(job_output, parts):
+            yield line, anthropic.unfinished(custom_id, unfinished, line)
 
     def ran():
         for part in parts:  # in input order
@@ -641,9 +799,9 @@ def _write_anthropic(job_output: Path, rejected: Path, results: Path, token: str
     with open(staged, "w", encoding="utf-8") as out:
         streams = (ran(), refused(), *((unreached(),) if unfinished else ()))
         for _, line in heapq.merge(*streams, key=lambda item: item[0]):
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.write(jsonl(line))
             counts[line["result"]["type"] != "succeeded"] += 1
-    _commit(results, None, (staged, None), counts)
+    _commit(results, None, (staged, None), counts, unfinished)
     return counts[0], counts[1]
 
 
@@ -778,7 +936,7 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     committed = finish_write(results, errors)  # a kill between the two renames: complete it
     if isinstance(config, (str, Path)):
         try:
-            config = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+            config = read_yaml(config) or {}  # a key given twice refused, as a job's
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"{config}: cannot read: {exc}") from None
     base = apply_overrides({k: dict(v) if isinstance(v, dict) else v

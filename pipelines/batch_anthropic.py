@@ -69,9 +69,11 @@ def is_anthropic(data: Any) -> bool:
     return isinstance(data, dict) and "params" in data and not {"body", "url"} & set(data)
 
 
-def parse_line(data: dict, reject) -> dict:
+def parse_line(data: dict, reject, max_model_len: int | None = None) -> dict:
     """One line -> the prepared table's fields; ``reject(code, message)`` builds the
-    exception for a line that cannot run."""
+    exception for a line that cannot run. A ``max_tokens`` that leaves no room for a prompt
+    in ``max_model_len`` is the request's error (it once became the whole job's cap, and
+    the job refused it: every request of the file failed)."""
     if not is_anthropic(data):
         raise reject("invalid_request", "an OpenAI Batch line (url, body) in a Message Batches "
                      "file; put it in a file of its own")
@@ -91,6 +93,9 @@ def parse_line(data: dict, reject) -> dict:
         raise reject("invalid_request", _first(err, "params.")) from None
     if params.stream:
         raise reject("invalid_request", "params.stream: true is not supported in a batch")
+    if max_model_len is not None and params.max_tokens >= max_model_len:
+        raise reject("invalid_request", f"params.max_tokens {params.max_tokens} leaves no "
+                     f"room for a prompt in max_model_len {max_model_len}")
     messages = []
     if params.system is not None:
         messages.append({"role": "system", "content": _text(params.system, "params.system",
@@ -179,7 +184,8 @@ def _image_url(block: dict, where: str, reject) -> str:
 
 
 def _id(prefix: str, custom_id, line: int) -> str:
-    return f"{prefix}_{hashlib.sha1(f'{custom_id}:{line}'.encode()).hexdigest()[:24]}"
+    key = f"{custom_id}:{line}".encode("utf-8", "surrogatepass")  # any custom_id a line holds
+    return f"{prefix}_{hashlib.sha1(key).hexdigest()[:24]}"
 
 
 def succeeded(sample: dict, model: str, thinking: bool) -> dict:

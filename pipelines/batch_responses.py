@@ -95,7 +95,7 @@ def parse_body(body: dict, reject, default_max_tokens: int | None, max_model_len
             raise reject("invalid_body", "body.text.format must be an object")
         if fmt.get("type") == "json_schema":  # the schema sits in the format itself here
             fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
-        overrides.update(response_format(fmt))
+        overrides.update(response_format(fmt, "body.text.format", "body.text.format.schema"))
     return {"kind": KIND, "prompt": json.dumps(messages, ensure_ascii=False),
             "max_tokens": max_tokens, "overrides": json.dumps(overrides),
             "model": parsed.model}
@@ -104,13 +104,13 @@ def parse_body(body: dict, reject, default_max_tokens: int | None, max_model_len
 def _message(index: int, item: dict, reject, content_of) -> dict:
     where = f"body.input[{index}]"
     if item.get("type", "message") != "message":
-        raise reject("invalid_body", f"{where}.type: {item.get('type')!r} items are not "
-                     "supported (messages are)")
+        raise reject("invalid_body", f"{where}.type: {str(item.get('type'))[:40]!r} items "
+                     "are not supported (messages are)")
     extra = sorted(set(item) - {"type", "role", "content"})
     if extra:
         raise reject("invalid_body", f"{where}.{extra[0]}: not supported by overnight, which "
                      "would have to ignore it; remove it")
-    role = ROLES.get(item.get("role"))
+    role = ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
     if role is None:
         raise reject("invalid_body", f"{where}.role: one of user, assistant, system, developer")
     content = item.get("content")
@@ -127,12 +127,13 @@ def _message(index: int, item: dict, reject, content_of) -> dict:
             # as a chat request's image_url part (pipelines/batch.py checks the URL)
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
-            raise reject("invalid_body", f"{where}.content[{j}]: {kind or 'a'} part not "
+            shown = kind if isinstance(kind, str) and kind else "a"
+            raise reject("invalid_body", f"{where}.content[{j}]: {shown[:40]} part not "
                          "supported (input_text, output_text, input_image with image_url)")
     try:
-        return {"role": role, "content": content_of(parts)}
+        return {"role": role, "content": content_of(parts, f"{where}.content")}
     except ValueError as exc:
-        raise reject("invalid_body", f"{where}.content: {exc}") from None
+        raise reject("invalid_body", str(exc)) from None
 
 
 def result_body(sample: dict, model: str, created: int) -> dict:
@@ -166,4 +167,5 @@ def result_body(sample: dict, model: str, created: int) -> dict:
 
 
 def _id(prefix: str, custom_id, line: int) -> str:
-    return f"{prefix}_{hashlib.sha1(f'{custom_id}:{line}'.encode()).hexdigest()[:24]}"
+    key = f"{custom_id}:{line}".encode("utf-8", "surrogatepass")  # any custom_id a line holds
+    return f"{prefix}_{hashlib.sha1(key).hexdigest()[:24]}"

@@ -32,13 +32,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from pipelines.batch import jsonl
 from serve.runner import INPUT, RESULTS
 from serve.store import Store, new_id
 
 PREFIX = "/v1/messages/batches"
 ENDPOINT = "/v1/messages"  # a message batch's endpoint, as the store records it
 MAX_REQUESTS, MAX_BYTES = 100_000, 256 << 20  # Anthropic's limits for one batch
-CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# matched whole (fullmatch): "$" would also match before a trailing newline
+CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 class AnthropicError(Exception):
@@ -74,7 +76,7 @@ def add_routes(app: FastAPI, store: Store, runner, *, window_s: float,
             raise _too_large(max_bytes)
         try:
             params = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # a nesting too deep for json.loads too
             raise AnthropicError(400, "invalid_request_error",
                                  "The request body is not valid JSON.") from None
         requests = params.get("requests") if isinstance(params, dict) else None
@@ -209,7 +211,7 @@ def _check_requests(requests, most: int) -> None:
         if extra:
             raise bad(f"requests.{i}.{extra[0]}: Extra inputs are not permitted")
         custom_id = item.get("custom_id")
-        if not isinstance(custom_id, str) or not CUSTOM_ID.match(custom_id):
+        if not isinstance(custom_id, str) or not CUSTOM_ID.fullmatch(custom_id):
             raise bad(f"requests.{i}.custom_id: 1 to 64 letters, digits, '-' or '_'")
         if custom_id in seen:
             raise bad(f"requests.{i}.custom_id: {custom_id!r} is used by an earlier request; "
@@ -225,7 +227,7 @@ def _stage(store: Store, batch_id: str, requests: list[dict]) -> None:
     tmp = folder / f".{INPUT}.tmp"
     with open(tmp, "w", encoding="utf-8") as out:
         for item in requests:
-            out.write(json.dumps(item, ensure_ascii=False) + "\n")
+            out.write(jsonl(item))  # a lone surrogate in a request escaped, not a 500
     tmp.replace(folder / INPUT)
 
 

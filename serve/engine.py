@@ -91,12 +91,31 @@ def resident_settings(model: str, config: dict) -> tuple[list[str], dict[str, st
     return flags, env
 
 
+_CURRENT: list = []  # the server's resident engine, once made (a server has one)
+
+
+def resident_engine() -> ResidentEngine | None:
+    """The server's resident engine, if it has one: the runner releases it for an embedding
+    batch on a GPU it fills (serve/runner.py: engine_turn)."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
 class ResidentEngine:
-    """One ``vllm serve`` for the server's life, watched and started again if it dies."""
+    """One ``vllm serve`` for the server's life, watched and started again if it dies; on a
+    GPU, released while an embedding batch's own engine needs the GPU, and loaded again
+    for the next generation batch (``release``, ``acquire``)."""
 
     def __init__(self, data_dir: Path, model: str, served_model: str, config: dict):
+        from udfs.vllm_engine import on_cpu
+
         self.data_dir, self.model, self.served_model = Path(data_dir), model, served_model
         self.flags, self.env = resident_settings(model, config)
+        # on a GPU the engine fills it (gpu_memory_utilization): a second engine beside it
+        # would not fit; on a CPU nothing fills
+        self.on_gpu = not on_cpu()
+        self.held = True  # it should be loaded (False: released for another engine)
+        self._loading: threading.Thread | None = None
+        _CURRENT[:] = [self]
         self.port = _stable_port(self.data_dir / PORT_FILE)
         self.key = secrets.token_urlsafe(24)
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
@@ -144,11 +163,13 @@ class ResidentEngine:
             return False
 
     def watch(self) -> None:
-        """A thread: the engine started again (same port and key) whenever it dies."""
+        """A thread: the engine started again (same port and key) whenever it dies, unless
+        it was released."""
         def loop():
             while not self._stopping:
                 time.sleep(2)
-                if self.proc is not None and self.proc.poll() is not None and not self._stopping:
+                if self.proc is not None and self.proc.poll() is not None \
+                        and not self._stopping and self.held and not self.loading():
                     log.warning("resident engine: exited with status %s; starting it again",
                                 self.proc.returncode)
                     _kill_group(self.proc.pid)  # its engine core process too
@@ -158,6 +179,39 @@ class ResidentEngine:
                         log.error("%s", exc)
 
         threading.Thread(target=loop, name="overnight-serve-engine", daemon=True).start()
+
+    def release(self) -> None:
+        """The engine stopped for now, its GPU free for another engine (an embedding batch's);
+        ``acquire`` loads it again."""
+        self.held = False
+        if self.proc is not None:
+            _kill_group(self.proc.pid)
+            self.proc.wait()
+        log.info("resident engine: released for an embedding batch's own engine")
+
+    def acquire(self) -> None:
+        """Loading again started (in a thread: a load takes minutes on a GPU), if released."""
+        if self.held or self._stopping:
+            return
+        self.held = True
+
+        def load():
+            try:
+                self.start()
+            except ConfigError as exc:
+                log.error("%s", exc)
+
+        self._loading = threading.Thread(target=load, name="overnight-serve-engine-load",
+                                         daemon=True)
+        self._loading.start()
+
+    def loading(self) -> bool:
+        return self._loading is not None and self._loading.is_alive()
+
+    def serving(self) -> bool:
+        """Loaded and answering: batches may run on it."""
+        return self.held and not self.loading() and self.proc is not None \
+            and self.proc.poll() is None
 
     def stop(self) -> None:
         """The engine's whole process group killed: the API server and vLLM's engine core

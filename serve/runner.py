@@ -61,6 +61,9 @@ RESULTS, ERRORS, INPUT = "results.jsonl", "errors.jsonl", "input.jsonl"
 ATTEMPTS = 3
 DEATHS = "deaths.jsonl"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+EMBEDDINGS = "/v1/embeddings"  # a batch of these runs on an engine of its own
+# a stopped batch's final status, by the type its requests not reached were given
+FINAL_STATUS = {"canceled": "cancelled", "expired": "expired", "errored": "failed"}
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
@@ -81,14 +84,22 @@ class Runner:
 
     def __init__(self, store: Store, *, model: str, config: Path | None,
                  overrides: list[str], served_model: str, max_running: int = 1,
-                 resident: tuple[Path, dict[str, str]] | None = None):
+                 resident: tuple[Path, dict[str, str]] | None = None, engine=None):
+        from serve.engine import resident_engine
+
         self.store, self.model, self.config = store, model, config
         self.overrides, self.served_model = overrides, served_model
         self.max_running, self.resident = max(1, max_running), resident
+        # the resident engine itself (serve/engine.py), released for an embedding batch
+        # on a GPU it fills (engine_turn)
+        self.engine = engine if engine is not None or resident is None else resident_engine()
         self._validate_wake, self._run_wake = threading.Event(), threading.Event()
         self._counted: dict[str, tuple[int, int]] = {}  # part path -> (requests, failed)
         self.running: dict[str, subprocess.Popen] = {}  # batch id -> its child (runner thread)
         self._idle: list = []  # batch workers between batches (serve/worker.py)
+        # the server is exiting: the queue stops (stop_workers), and says when it has
+        self._stopping, self._stopped = threading.Event(), threading.Event()
+        self._stopped.set()  # (until the queue's thread runs)
 
     def start(self) -> None:
         for target, name in ((self._validate_loop, "validator"), (self._run_loop, "runner")):
@@ -99,11 +110,17 @@ class Runner:
         self._run_wake.set()
 
     def stop_workers(self) -> None:
-        """The batch workers' process groups killed (the server is exiting): a worker killed
-        by PDEATHSIG alone leaves its Ray's agents behind (~200 MB each measured)."""
-        for worker in [*self._idle, *(c.worker for c in list(self.running.values())
-                                      if isinstance(c, WorkerRun))]:
-            worker.kill()
+        """Every batch's child and batch worker killed with all it started (the server is
+        exiting). The queue stops first, so nothing starts again and no kill is counted as
+        a batch's death; then each child's whole session goes: a child or worker killed by
+        PDEATHSIG alone left its Ray's agents running (~200 MB each measured), and Ray's
+        workers take process groups of their own inside the session."""
+        self._stopping.set()
+        self._run_wake.set()
+        self._stopped.wait(60)  # the queue's step in progress ends first
+        for child in [*list(self.running.values()), *self._idle]:
+            _kill_session(child.worker.proc if isinstance(child, WorkerRun)
+                          else getattr(child, "proc", child))
 
     # -- validation --------------------------------------------------------------------------
 
@@ -119,10 +136,11 @@ class Runner:
         checked = check_input_file(self.store.batch_dir(batch_id) / INPUT, batch["endpoint"])
         now = int(time.time())
         counts = {"total": checked.requests, "completed": 0, "failed": 0}
-        if checked.errors:
+        if checked.errors:  # its requests were never accepted: none counted, as the hosted
+            # API counts a file it refuses (completed + failed = total holds)
             self.store.update_batch(batch_id, only_if=("validating",), status="failed",
                                     failed_at=now, errors=checked.as_errors(),
-                                    request_counts=counts)
+                                    request_counts={**counts, "total": 0})
         else:  # queued: in_progress as OpenAI names it, in_progress_at once it starts
             self.store.update_batch(batch_id, only_if=("validating",), status="in_progress",
                                     request_counts=counts)
@@ -131,16 +149,38 @@ class Runner:
     # -- the queue ---------------------------------------------------------------------------
 
     def _run_loop(self) -> None:
-        while True:
+        self._stopped.clear()
+        while not self._stopping.is_set():
             self._housekeeping()
             for batch_id, child in list(self.running.items()):
                 self._guard(batch_id, self._watch, batch_id, child)
             queue = [b for b in self.store.batches_in("in_progress")
                      if b not in self.running and not self._expired(b)]
             for batch_id in queue[:self.max_running - len(self.running)]:
+                if not self._my_turn(batch_id):  # in order: the next ones wait behind it
+                    break
                 self._guard(batch_id, self._start, batch_id)
-            self._run_wake.wait(POLL if self.running else 5)
+            self._run_wake.wait(POLL if self.running or self._waiting_for_gpu() else 5)
             self._run_wake.clear()
+        self._stopped.set()
+
+    def _my_turn(self, batch_id: str) -> bool:
+        """Whether the batch may start now, the resident engine released or loaded again
+        first where ``engine_turn`` says so."""
+        if self.engine is None:
+            return True
+        running = [(self.store.get_batch(None, b) or {}).get("endpoint") for b in self.running]
+        turn = engine_turn((self.store.get_batch(None, batch_id) or {}).get("endpoint"),
+                           shares_gpu=self.engine.on_gpu, running=running,
+                           loaded=self.engine.serving())
+        if turn == RELEASE:
+            self.engine.release()
+        elif turn == LOAD:
+            self.engine.acquire()
+        return turn in (START, RELEASE)
+
+    def _waiting_for_gpu(self) -> bool:
+        return self.engine is not None and self.engine.loading()
 
     def _housekeeping(self) -> None:
         """Batches not running that need a step: cancelled while queued (or while the server
@@ -183,10 +223,29 @@ class Runner:
             log.exception("batch %s: %s", batch_id, type(exc).__name__)
             self._stop_child(batch_id)
             now, errors = int(time.time()), _one_error("server_error", type(exc).__name__)
+            if self._end_with_results(batch_id, errors):
+                return
             if self.store.update_batch(batch_id, only_if=("cancelling",), status="cancelled",
                                        cancelled_at=now, errors=errors) is None:
                 self.store.update_batch(batch_id, only_if=UNFINISHED, status="failed",
                                         failed_at=now, errors=errors)
+
+    def _end_with_results(self, batch_id: str, errors: dict) -> bool:
+        """A batch a server bug stops, ended as a stopped batch is: cancelled (if asked) or
+        failed, with every request in its files (done, or not reached). False where even
+        that fails: then it ends without them."""
+        batch = self.store.get_batch(None, batch_id)
+        if batch is None or batch["status"] not in UNFINISHED:
+            return False
+        status, kind = (("cancelled", "canceled") if batch["status"] == "cancelling"
+                        else ("failed", "errored"))
+        try:
+            self._deliver(batch_id, kind)
+            self._finalize(batch_id, status, only_if=UNFINISHED, errors=errors)
+        except Exception:  # noqa: BLE001 - the same bug again, most likely
+            log.exception("batch %s: its results could not be delivered", batch_id)
+            return False
+        return True
 
     def _start(self, batch_id: str) -> None:
         from pipelines.batch import finish_write
@@ -194,9 +253,16 @@ class Runner:
         folder = self.store.batch_dir(batch_id)
         _stop_stale_child(self.store, batch_id)
         batch = self.store.get_batch(None, batch_id)
-        if finish_write(folder / RESULTS, _errors_file(batch, folder)) is not None:
-            # the child finished; the server did not see it
-            self._finalize(batch_id, "completed", only_if=("in_progress", "finalizing"))
+        written = finish_write(folder / RESULTS, _errors_file(batch, folder))
+        if written is not None:  # the child finished, or a stop delivered its files; the
+            # server did not see the end: the batch ends as the files say
+            stopped = written.get("unfinished")
+            self._finalize(batch_id, FINAL_STATUS.get(stopped, "completed"),
+                           only_if=("in_progress", "finalizing"),
+                           **({"errors": _one_error("batch_failed", "the batch stopped "
+                                                    "before its end; the results done are "
+                                                    "delivered")}
+                              if stopped == "errored" else {}))
             return
         deaths = _deaths(folder)
         if len(deaths) >= ATTEMPTS:  # given up before a restart, not yet delivered
@@ -259,7 +325,7 @@ class Runner:
 
     def _launch(self, batch_id: str, folder: Path, batch: dict) -> subprocess.Popen:
         # an embedding batch needs a pooling engine: its own, as `overnight batch` loads it
-        warm = self.resident is not None and batch["endpoint"] != "/v1/embeddings"
+        warm = self.resident is not None and batch["endpoint"] != EMBEDDINGS
         config, env = self.resident if warm else (self.config, {})
         # a message batch (serve/anthropic.py): one results file, Anthropic's results
         errors = _errors_file(batch, folder)
@@ -331,10 +397,12 @@ class Runner:
 
     def _deliver(self, batch_id: str, unfinished: str) -> None:
         """The result and error files of the parts committed so far, unless the pair is
-        already written (one commit: pipelines.batch.finish_write). A message batch's one
-        file has every request's result: those not reached are ``unfinished`` (canceled,
-        expired, errored), as Anthropic reports them."""
-        from pipelines.batch import finish_write, write_results
+        already written (one commit: pipelines.batch.finish_write). Every request is in
+        them: those not reached are ``unfinished`` (canceled, expired, errored), as
+        Anthropic reports them in a message batch's one file, and as the hosted Batch API
+        lists them in the error file (``batch_cancelled``, ``batch_expired``, and
+        ``batch_failed`` where the job could not go on)."""
+        from pipelines.batch import finish_write, write_results, write_unstarted
 
         folder = self.store.batch_dir(batch_id)
         errors = _errors_file(self.store.get_batch(None, batch_id), folder)
@@ -348,10 +416,9 @@ class Runner:
         if (work / "rejected.jsonl").exists() and (work / "requests.parquet").exists():
             write_results(parts, work / "rejected.jsonl", folder / RESULTS, errors,
                           self.served_model, tokenizer=self.model,
-                          fmt="anthropic" if anthropic else "openai",
-                          unfinished=unfinished if anthropic else None)
-        elif anthropic:  # never started: every request is unfinished
-            _unfinished_results(folder / INPUT, folder / RESULTS, unfinished)
+                          fmt="anthropic" if anthropic else "openai", unfinished=unfinished)
+        elif (folder / INPUT).exists():  # never started: every request is unfinished
+            write_unstarted(folder / INPUT, folder / RESULTS, errors, unfinished)
 
     def _finalize(self, batch_id: str, status: str, *,
                   only_if: tuple[str, ...] = ("finalizing",), **extra) -> None:
@@ -361,7 +428,7 @@ class Runner:
         owner = self.store.batch_owner(batch_id)
         folder = self.store.batch_dir(batch_id)
         changes: dict = {"status": status, f"{status}_at": int(time.time())}
-        counts = dict(batch["request_counts"] or {"total": 0})
+        counts = dict(batch.get("request_counts") or {"total": 0})
         if batch.get("api") == "anthropic":  # its results are its own (serve/anthropic.py)
             from serve.anthropic import count_results
 
@@ -382,11 +449,39 @@ class Runner:
                 self.store.add_file(owner, path, f"{batch_id}_{label}.jsonl", "batch_output",
                                     file_id=file_id, link=True)
                 changes[key] = file_id
+        # every request is in one of the files (its lines); a batch cancelled before it was
+        # validated has no total yet: its lines are its requests
+        counts["total"] = max(counts.get("total") or 0, counts["completed"] + counts["failed"])
         changes["request_counts"] = counts
         if self.store.update_batch(batch_id, only_if=only_if, **changes, **extra) is None:
             return  # moved by someone else first (a cancel): that status stands
         log.info("batch %s: %s (%d completed, %d failed)", batch_id, status,
                  counts["completed"], counts["failed"])
+
+
+START, WAIT, RELEASE, LOAD = "start", "wait", "release", "load"
+
+
+def engine_turn(endpoint: str | None, *, shares_gpu: bool, running: list[str | None],
+                loaded: bool) -> str:
+    """Whether the next batch in the queue starts now, on a server with a resident engine.
+    An embedding batch loads an engine of its own (a pooling one). On a CPU nothing fills,
+    and it runs beside the resident engine (START). On a GPU the resident engine fills it
+    (``gpu_memory_utilization``): a second engine there would fail to load, or starve the
+    first. So there an embedding batch waits until no batch runs (WAIT), then the resident
+    engine is released (RELEASE) and the batch starts; the next generation batch waits
+    until the embedding batches are done and the engine is loaded again (LOAD, then WAIT
+    while it loads). ``running``: the endpoints of the batches running."""
+    embedding = endpoint == EMBEDDINGS
+    if not shares_gpu:
+        return START
+    if embedding:
+        if running:
+            return WAIT
+        return RELEASE if loaded else START
+    if EMBEDDINGS in running:
+        return WAIT
+    return START if loaded else LOAD
 
 
 def _stop(child: subprocess.Popen) -> None:
@@ -423,6 +518,33 @@ def _stop_stale_child(store: Store, batch_id: str) -> None:
     store.set_child(batch_id, None)
 
 
+def _kill_session(child: subprocess.Popen) -> None:
+    """A child (started in a session of its own) and every process of its session killed,
+    reaped, and waited for (30 s at most)."""
+    for pid in _session(child.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    child.wait()
+    deadline = time.monotonic() + 30
+    while _session(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of a session (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
 def _group(pgid: int) -> list[bytes]:
     """The command lines of the live processes in a process group (Linux /proc)."""
     commands = []
@@ -439,20 +561,6 @@ def _group(pgid: int) -> list[bytes]:
 def _errors_file(batch: dict, folder: Path) -> Path | None:
     """A batch's error file; None for a message batch, whose one file holds every result."""
     return None if batch.get("api") == "anthropic" else folder / ERRORS
-
-
-def _unfinished_results(requests: Path, results: Path, kind: str) -> None:
-    """A message batch stopped before its job started: one ``kind`` result per request, in
-    the file's order, written whole under a temporary name and renamed in."""
-    from pipelines.batch_anthropic import unfinished
-
-    tmp = results.with_name(f".{results.name}.tmp")
-    with open(requests, encoding="utf-8") as source, open(tmp, "w", encoding="utf-8") as out:
-        for number, line in enumerate(source, 1):
-            if line.strip():
-                out.write(json.dumps(unfinished(json.loads(line)["custom_id"], kind, number))
-                          + "\n")
-    os.replace(tmp, results)
 
 
 def _count_lines(path: Path) -> int:

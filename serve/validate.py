@@ -54,7 +54,7 @@ def check_input_file(path: Path, endpoint: str) -> Checked:
             checked.requests += 1
             try:
                 line = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except (UnicodeDecodeError, ValueError, RecursionError):  # deep nesting too
                 checked.add("invalid_json_line", "This line is not parseable as valid JSON.",
                             number)
                 continue

@@ -65,10 +65,37 @@ LINES = [
                           stop=["\n\n"])),
     json.dumps(GREEDY_CHAT[4]),
     json.dumps(GREEDY_CHAT[5]),
+    # a value of the wrong kind inside a body (issue #56 A2): each once failed the whole file
+    json.dumps(chat("schema-text", "hi", max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": "{}"})),
+    json.dumps(chat("schema-list", "hi", max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"schema": {"$schema": ["x"]}}})),
+    json.dumps({**chat("role-list", "hi"), "body": {"messages": [
+        {"role": ["user"], "content": "hi"}], "max_tokens": 4}}),
+    json.dumps({"custom_id": "input-role-list", "method": "POST", "url": "/v1/responses",
+                "body": {"input": [{"role": ["user"], "content": "hi"}]}}),
+    json.dumps(chat("tool-numbers", "hi", max_tokens=4, tools=[1, 2])),
+    "[" * 100_000,
+    json.dumps(chat("surrogate", "\ud800", max_tokens=4)),
+    '{ "custom_id": "digits", "method": "POST", "url": "/v1/completions", "body": '
+    '{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}}",
+    # parsed, then refused by the engine's grammar as it takes the request: that row's error
+    json.dumps(chat("no-grammar", "A box.", max_tokens=8, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}})),
+    json.dumps(chat("after-bad", "Name a colour.", max_tokens=5, temperature=0)),
 ]
 REJECTED = {3: "invalid_json", 5: "duplicate_custom_id", 7: "invalid_url", 11: "invalid_request",
-            12: "invalid_body", 13: "invalid_request", 14: "invalid_request"}
-RUN_FAILED = {9: "prompt_too_long"}
+            12: "invalid_body", 13: "invalid_request", 14: "invalid_request",
+            19: "invalid_body", 20: "invalid_body", 21: "invalid_body", 22: "invalid_body",
+            23: "invalid_body", 24: "invalid_json", 25: "invalid_body", 26: "invalid_json"}
+RUN_FAILED = {9: "prompt_too_long", 27: "engine_error"}
+# the bad values inside bodies, each named in its line's error
+INSIDE = {19: "body.response_format.json_schema: must be an object",
+          20: "body.response_format.json_schema.schema.$schema: must be a string",
+          21: "body.messages[0].role: must be a string", 22: "body.input[0].role: one of",
+          23: "body.tools: not supported", 24: "nested too deeply",
+          25: "a lone surrogate", 26: "Exceeds the limit (4300 digits)",
+          27: "Pointer '/nope' does not exist"}
 SETTINGS = [f"engine.kv_cache_memory_bytes={KV_CACHE}", "model.dtype=float32",
             "model.max_model_len=512", "resources.batch_size=4"]
 
@@ -149,6 +176,18 @@ def test_error_lines_name_the_line_the_id_and_the_problem(batch):
     assert by_line[9]["custom_id"] == "too-long" and "tokens" in by_line[9]["error"]["message"]
     assert "body.max_tokens" in by_line[12]["error"]["message"]
     assert counts["rejected_lines"] == len(REJECTED)
+
+
+def test_a_bad_value_inside_a_body_is_that_lines_error_and_the_rest_complete(batch):
+    """Each kind of bad line (issue #56 A2) is its own error line naming the field; the good
+    lines around them, the one after them all too, complete."""
+    _, _, results, errors = batch
+    by_line = {e["error"]["line"]: e["error"] for e in errors}
+    for line, needle in INSIDE.items():
+        assert needle in by_line[line]["message"], (line, by_line[line])
+        assert "\n" not in by_line[line]["message"]
+    assert by_line[25]["code"] == "invalid_body"
+    assert [r["custom_id"] for r in results][-1] == "after-bad"
 
 
 def test_greedy_results_equal_vllms_own_run_batch(batch, tiny_model, llm):

@@ -95,6 +95,18 @@ BAD = {
     "plain": (None, "custom_id 'plain' was used by an earlier line"),  # a duplicate
     "long": ({"custom_id": "long", "params": {"model": "m", "max_tokens": 4, "messages": [
         {"role": "user", "content": "word " * 2000}]}}, "prompt_too_long"),
+    # values of the wrong kind (issue #56 A2); a max_tokens past the context once became the
+    # job's cap, which the job refused: every request of the file failed
+    "role-list": ({"custom_id": "role-list", "params": {
+        "model": "m", "max_tokens": 4, "messages": [{"role": ["user"], "content": "hi"}]}},
+                  "params.messages[0].role: must be 'user' or 'assistant'"),
+    "text-list": ({"custom_id": "text-list", "params": {
+        "model": "m", "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": ["x"]}]}]}},
+                  "params.messages[0].content[0].text: must be a string"),
+    "huge-max": ({"custom_id": "huge-max", "params": {"model": "m", "max_tokens": 10 ** 30,
+                                                      "messages": USER}},
+                 "leaves no room for a prompt in max_model_len 512"),
 }
 
 
