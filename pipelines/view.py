@@ -5,8 +5,10 @@ Everything is read from what the job writes, never from its processes: the job r
 config, its state), the committed parts (the staging folder while it runs, the output once
 done) and the run report. Rows are read a page at a time by a polars scan over the parts
 (filters and the page pushed down: the output is never loaded whole), filtered by error kind,
-finish reason, a text search in the output column, or a polars SQL condition as a step's
-``where`` takes it. A row's prompt is shown as the job rendered it: its template over its values.
+finish reason, a text search in the output column, or a condition in SQL's small language of
+filters (pipelines/filters.py: the frame's columns, literals and operators only; never polars'
+SQL, which opens files a subquery names). A row's prompt is shown as the job rendered it: its
+template over its values.
 
 A row's text is data, never markup: the page is a static file whose script puts every value in
 the page with ``textContent``, and a Content-Security-Policy allows no script but that file's
@@ -17,17 +19,21 @@ told otherwise and loads nothing from the internet.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from starlette.requests import Request  # (at the top: FastAPI reads the routes' annotations)
 
 from pipelines.errors import ConfigError, OutputError
+from pipelines.filters import FilterError
 from pipelines.storage import Location
 from pipelines.write import OutputStore, list_parts, summarize_part
 from udfs import columns
 
 PAGE_ROWS = 50  # rows per page, at most MAX_PAGE_ROWS when asked
 MAX_PAGE_ROWS = 500
+MAX_OFFSET = 1 << 60  # a row offset past any table (polars takes 64-bit offsets)
+log = logging.getLogger("overnight.view")
 STATIC = Path(__file__).with_name("view_static")
 CSP = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'"
 
@@ -110,7 +116,8 @@ class JobView:
         import polars as pl
 
         frame = pl.scan_parquet([str(f) for f in files])
-        names = frame.collect_schema().names()
+        schema = self._collect(frame.collect_schema, None)
+        names = schema.names()
         if error_kind:
             frame = frame.filter(pl.col(columns.ERROR_KIND) == error_kind
                                  if error_kind != "none" else pl.col(columns.ERROR).is_null())
@@ -121,11 +128,22 @@ class JobView:
             frame = frame.filter(pl.col(column).cast(pl.String).str.contains(
                 text, literal=True))
         if where:
+            from pipelines.filters import filter_expr
+
             try:
-                frame = frame.filter(pl.sql_expr(where).fill_null(False))
-            except Exception as exc:  # polars' SQL parser: a user's condition, said in a line
-                raise ConfigError(f"where {where!r}: {_one_line(exc)}") from None
+                frame = frame.filter(filter_expr(where, schema))
+            except FilterError as exc:  # the caller's condition, said in a line of our own
+                raise FilterError(f"where {_quoted(where)}: {exc}") from None
         return frame
+
+    def _collect(self, query, where: str | None):
+        """``query()`` (a collect), a failure said in a line of our own: polars' text may
+        name the server's paths, so it goes to the log only."""
+        try:
+            return query()
+        except Exception as exc:  # noqa: BLE001 - a filter that fails on the data, a part gone
+            log.warning("view %s: %s", self.store.path, _one_line(exc))
+            raise _unevaluable(where, exc) from None
 
     def rows(self, offset: int = 0, limit: int = PAGE_ROWS, error_kind: str | None = None,
              finish_reason: str | None = None, text: str | None = None,
@@ -136,13 +154,10 @@ class JobView:
         record, _, files = self._where()
         if not files:
             return {"columns": [], "rows": [], "matching": 0, "offset": 0}
-        limit = max(1, min(limit, MAX_PAGE_ROWS))
+        limit, offset = max(1, min(limit, MAX_PAGE_ROWS)), min(max(offset, 0), MAX_OFFSET)
         frame = self._frame(files, record, error_kind, finish_reason, text, where)
-        try:
-            matching = frame.select(pl.len()).collect().item()
-            page = frame.slice(max(offset, 0), limit).collect()
-        except Exception as exc:  # a condition that fails on the data (a cast, a type)
-            raise ConfigError(f"where {where!r}: {_one_line(exc)}") from None
+        matching = self._collect(lambda: frame.select(pl.len()).collect().item(), where)
+        page = self._collect(lambda: frame.slice(offset, limit).collect(), where)
         shown = [c for c in page.columns if not c.startswith(columns.INTERNAL_PREFIX)]
         return {"columns": shown, "offset": offset, "matching": matching,
                 "rows": [[_plain(row[c]) for c in shown]
@@ -154,9 +169,11 @@ class JobView:
         record, _, files = self._where()
         if not files:
             return {"prompt": None}
-        page = self._frame(files, record, filters.get("error_kind"),
-                           filters.get("finish_reason"), filters.get("text"),
-                           filters.get("where")).slice(max(offset, 0), 1).collect()
+        where = filters.get("where")
+        frame = self._frame(files, record, filters.get("error_kind"),
+                            filters.get("finish_reason"), filters.get("text"), where)
+        page = self._collect(
+            lambda: frame.slice(min(max(offset, 0), MAX_OFFSET), 1).collect(), where)
         if page.height == 0:
             return {"prompt": None}
         renderer = self._render(record)
@@ -186,7 +203,9 @@ class JobView:
                 max_tokens=0, system=prompt.get("system"),
                 chat=prompt.get("chat") if prompt.get("chat") is not None else True,
                 trust_remote_code=model.get("trust_remote_code", False),
-                chat_template_kwargs=prompt.get("chat_template_kwargs")))
+                chat_template_kwargs=prompt.get("chat_template_kwargs"),
+                chat_template_content_format=prompt.get("chat_template_content_format",
+                                                        "auto")))
         return self._renderer
 
 
@@ -214,17 +233,25 @@ def secure_headers(response):
     return response
 
 
-def job_routes(app, prefix: str, view_of, shown=lambda status, request: status) -> None:
+def refused(exc: ConfigError):
+    """A filter's (or a page's) mistake as ``overnight view`` answers it: 400, one line."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": str(exc)}, 400)
+
+
+def job_routes(app, prefix: str, view_of, shown=lambda status, request: status,
+               problem=refused) -> None:
     """The page's data at ``prefix``/status, /rows and /prompt. ``view_of(request, **path)``:
     the JobView the request may see (raising what the app answers otherwise); ``shown``: the
-    status as this server shows it (serve names no path of its own)."""
-    from fastapi.responses import JSONResponse
+    status as this server shows it (serve names no path of its own); ``problem``: a
+    ConfigError (the caller's filter) as this server answers it."""
 
     def answer(call):
         try:
             return call()
         except ConfigError as exc:  # a user's filter, said in a line
-            return JSONResponse({"error": str(exc)}, 400)
+            return problem(exc)
 
     @app.get(f"{prefix}/status")
     def status(request: Request):
@@ -256,6 +283,13 @@ def create_app(path: str):
     @app.middleware("http")
     async def _headers(request, call_next):
         return secure_headers(await call_next(request))
+
+    @app.exception_handler(Exception)
+    async def _failed(request, exc):  # a bug: one line here, its traceback in the log
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": "overnight view failed on this request; its log "
+                                      "says why"}, 500)
 
     @app.get("/")
     def page():
@@ -291,6 +325,28 @@ def _read_json(location) -> dict | None:
         return json.loads(location.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _quoted(where: str) -> str:
+    """The caller's filter as a message quotes it (its start, where it is long)."""
+    return repr(where if len(where) <= 200 else where[:200] + "...")
+
+
+def _unevaluable(where: str | None, exc: BaseException) -> ConfigError:
+    """What a caller is told when the rows cannot be read: in words of our own, never
+    polars' (its messages name files and the server's paths)."""
+    import polars as pl
+
+    if not where:
+        return ConfigError("the rows could not be read (the job's parts changed while they "
+                           "were read?); try again")
+    if isinstance(exc, (pl.exceptions.InvalidOperationError, pl.exceptions.ComputeError,
+                        pl.exceptions.SchemaError)):
+        why = ("a row's value does not convert or compare as the filter asks (CAST of a word "
+               "to a number, say: TRY_CAST gives null instead)")
+    else:
+        why = "polars could not evaluate it on the job's rows"
+    return FilterError(f"where {_quoted(where)} cannot be evaluated on these rows: {why}")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -7,13 +7,21 @@ pages (``/ui``): a key's batches, and each batch's job as ``overnight view`` sho
 
 A key's objects are invisible to every other key: a lookup by another key is a 404, the same
 answer as for an id that never existed.
+
+Every answer is the API's own: a body past its route's limit is a 413 as soon as the limit is
+passed (``BodyLimit``: chunked or not, nothing more is read), a body or field of the wrong
+shape a 400, and a server bug a 500 in the API's error object, its text in the log only.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -21,8 +29,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pipelines import view
+from pipelines.errors import ConfigError
+from pipelines.filters import FilterError
 from serve import anthropic
 from serve.runner import INPUT, RESULTS, Runner
 from serve.store import Store, new_id
@@ -30,6 +41,10 @@ from serve.store import Store, new_id
 # what ``overnight batch`` runs (embeddings as a task: embed job, pipelines/batch_embeddings.py)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 WINDOW = 24 * 3600  # the hosted API's only completion_window, "24h"
+JSON_LIMIT = 1 << 20  # a body other than an upload or a message batch (a create call: ~10 kB)
+UPLOAD_SLACK = 64 * 1024  # the multipart envelope around an uploaded file
+VIEWS_KEPT = 4  # batches whose page data (and prompt tokenizer) stay loaded, most recent first
+log = logging.getLogger("overnight.serve")
 
 
 class APIError(Exception):
@@ -45,6 +60,75 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def problem(path: str, status: int, message: str, *, param: str | None = None,
+            code: str | None = None, kind: str = "invalid_request_error",
+            anthropic_kind: str = "invalid_request_error") -> JSONResponse:
+    """An error in the error object of the API ``path`` belongs to: Anthropic's on its
+    routes, OpenAI's everywhere else."""
+    if anthropic.is_anthropic_path(path):
+        return anthropic.error_response(status, anthropic_kind, message)
+    return JSONResponse(error_body(message, kind, param, code), status)
+
+
+class BodyLimit:
+    """ASGI middleware: each request's body counted as it arrives (Content-Length or
+    chunked); past its route's limit (``limit_of(method, path)``) the app is told the client
+    left, what it answers is dropped, and the request is answered 413 by
+    ``refuse(path, limit)``: nothing more is read. A chunked 600 MiB body was read whole
+    before its 413 (the server went from 218 to 1,418 MiB), and ``POST /v1/batches`` had no
+    limit at all. (An exception raised from ``receive`` would reach the route wrapped in
+    the key middleware's task group, as a 500.)"""
+
+    def __init__(self, app, limit_of, refuse):
+        self.app, self.limit_of, self.refuse = app, limit_of, refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.limit_of(scope["method"], scope["path"])
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            return await self.refuse(scope["path"], limit)(scope, receive, send)
+        received, over, started = 0, False, False
+
+        async def limited():
+            nonlocal received, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def watched(message):
+            nonlocal started
+            if over and not started:
+                return  # the app's answer to a "disconnect": ours goes instead
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited, watched)
+        except Exception:  # noqa: BLE001 - what the app raised once told the client left
+            if not over or started:
+                raise
+        if over and not started:
+            await self.refuse(scope["path"], limit)(scope, receive, send)
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers") or ():
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
 def create_app(store: Store, runner: Runner, *, owners: set[str],
                max_upload_bytes: int, window_s: float = WINDOW) -> FastAPI:
     """``owners``: the accepted keys as the store records them (``Store.owner_of``)."""
@@ -52,7 +136,40 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status)
+        return _answer(exc)
+
+    def body_limit(method: str, path: str) -> int:
+        if method == "POST" and path == "/v1/files":
+            return max_upload_bytes + UPLOAD_SLACK
+        if method == "POST" and path == anthropic.PREFIX:
+            return anthropic.MAX_BYTES
+        return JSON_LIMIT
+
+    def too_large(path: str, limit: int) -> JSONResponse:
+        if path == "/v1/files":
+            return _answer(_too_large(max_upload_bytes))
+        return problem(path, 413, f"Request exceeds the maximum size of {limit} bytes.",
+                       code="request_too_large", anthropic_kind="request_too_large")
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError):
+        # JSON nested thousands deep: Python's parser gives up (either API's create call)
+        log.warning("%s %s: %s", request.method, request.url.path, type(exc).__name__)
+        return problem(request.url.path, 400, "The request body is nested too deeply to be "
+                       "read (JSON nested more than a few hundred levels).",
+                       code="invalid_json")
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):
+        return Response(status_code=400)  # the client left mid-body: no one reads this
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception):
+        # a bug: the caller gets the API's error object, never the exception's text (the
+        # traceback goes to the server's log: Starlette re-raises it to uvicorn)
+        return problem(request.url.path, 500, "The server had an error while processing "
+                       "your request; its log says why.", kind="server_error",
+                       anthropic_kind="api_error")
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
@@ -105,11 +222,7 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
 
     @app.post("/v1/files")
     async def upload_file(request: Request):
-        declared = int(request.headers.get("content-length") or 0)
-        if declared > max_upload_bytes + 64 * 1024:
-            raise _too_large(max_upload_bytes)
-        form = await Request(request.scope, _limited(request.receive, max_upload_bytes)).form(
-            max_files=1, max_fields=8)
+        form = await request.form(max_files=1, max_fields=8)  # its size: BodyLimit
         upload, purpose = form.get("file"), form.get("purpose")
         if upload is None or isinstance(upload, str):
             raise APIError(400, "Missing required parameter: 'file'.", param="file",
@@ -161,8 +274,8 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
     @app.post("/v1/batches")
     async def create_batch(request: Request):
         try:
-            params = await request.json()
-        except ValueError:
+            params = json.loads(await request.body())  # (its size: BodyLimit)
+        except (ValueError, RecursionError):  # (RecursionError: nested thousands deep)
             raise APIError(400, "We could not parse the JSON body of your request.") from None
         if not isinstance(params, dict):
             raise APIError(400, "The request body must be a JSON object.")
@@ -205,17 +318,15 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
     def static(name: str):
         return view.static_file(name)
 
-    views: dict[str, view.JobView] = {}
+    views = ViewCache(store)
 
     def batch_view(request: Request, batch_id: str) -> view.JobView:
         batch = _batch(store, request, batch_id)  # another key's batch: 404, as everywhere
-        work = store.batch_dir(batch_id) / f"{RESULTS}.overnight" / "output"
-        if batch_id not in views:
-            if not Path(f"{work}.overnight.json").exists():  # its job has not started
-                raise APIError(404, f"Batch '{batch_id}' has no rows yet (status "
-                               f"{batch['status']}).", param="batch_id", code="no_rows")
-            views[batch_id] = view.JobView(str(work))
-        return views[batch_id]
+        found = views.get(batch_id)
+        if found is None:  # its job has not started
+            raise APIError(404, f"Batch '{batch_id}' has no rows yet (status "
+                           f"{batch['status']}).", param="batch_id", code="no_rows")
+        return found
 
     def shown(status: dict, request: Request) -> dict:
         """The status as a key's user sees it: the batch, never the server's paths."""
@@ -227,7 +338,11 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
                 runner.model, batch["model"]) for line in status["report"]]
         return status
 
-    view.job_routes(app, "/v1/batches/{batch_id}/view", batch_view, shown)
+    def refused(exc: ConfigError) -> JSONResponse:  # the caller's filter, in a line
+        return JSONResponse(error_body(str(exc), param="where" if isinstance(
+            exc, FilterError) else None, code="invalid_value"), 400)
+
+    view.job_routes(app, "/v1/batches/{batch_id}/view", batch_view, shown, refused)
     anthropic.add_routes(app, store, runner, window_s=window_s)
 
     @app.post("/v1/batches/{batch_id}/cancel")
@@ -244,7 +359,45 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
         runner.wake()
         return moved
 
+    app.add_middleware(BodyLimit, limit_of=body_limit, refuse=too_large)  # (the outermost)
     return app
+
+
+class ViewCache:
+    """The page data of the batches viewed last (a JobView holds a tokenizer once a prompt
+    is shown): at most ``kept``, and none of a batch whose job's data is gone (deleted, or
+    swept past the retention). One a batch ever viewed was kept for the server's life."""
+
+    def __init__(self, store: Store, kept: int = VIEWS_KEPT):
+        self.store, self.kept = store, kept
+        self.views: OrderedDict[str, view.JobView] = OrderedDict()
+        self._lock = threading.Lock()  # (the routes run in a thread pool)
+
+    def record(self, batch_id: str) -> Path:
+        return self.store.batch_dir(batch_id) / f"{RESULTS}.overnight" / "output.overnight.json"
+
+    def get(self, batch_id: str) -> view.JobView | None:
+        """The batch's JobView, None if its job has not started (or its data is gone)."""
+        with self._lock:
+            for gone in [b for b in self.views if not self.record(b).exists()]:
+                del self.views[gone]
+            found = self.views.get(batch_id)
+            if found is not None:
+                self.views.move_to_end(batch_id)
+                return found
+        if not self.record(batch_id).exists():
+            return None
+        made = view.JobView(str(self.record(batch_id).parent / "output"))
+        with self._lock:
+            found = self.views.setdefault(batch_id, made)
+            self.views.move_to_end(batch_id)
+            while len(self.views) > self.kept:
+                self.views.popitem(last=False)
+        return found
+
+
+def _answer(exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status)
 
 
 def _is_page(path: str) -> bool:
@@ -254,9 +407,13 @@ def _is_page(path: str) -> bool:
 def _new_batch(store: Store, owner: str, params: dict, model: str,
                window_s: float = WINDOW) -> dict:
     for key in ("input_file_id", "endpoint", "completion_window"):
-        if not params.get(key):
+        if params.get(key) in (None, ""):
             raise APIError(400, f"Missing required parameter: '{key}'.", param=key,
                            code="missing_required_parameter")
+        if not isinstance(params[key], str):  # a list or an object reached SQLite: a 500
+            raise APIError(400, f"Invalid type for '{key}': expected a string, but got "
+                           f"{_json_type(params[key])} instead.", param=key,
+                           code="invalid_type")
     if params["endpoint"] not in ENDPOINTS:
         raise APIError(400, f"Invalid value for 'endpoint': {params['endpoint']!r}. overnight "
                        "serve runs " + ", ".join(ENDPOINTS) + ".", param="endpoint",
@@ -347,18 +504,10 @@ def _copy(source, target) -> int:
     return os.path.getsize(target)
 
 
-def _limited(receive, limit: int):
-    """The request body, refused (413) once it is larger than an upload may be, whatever its
-    Content-Length said: nothing larger is spooled to disk."""
-    received = 0
-    slack = 64 * 1024  # the multipart envelope around the file
-
-    async def wrapped():
-        nonlocal received
-        message = await receive()
-        received += len(message.get("body", b""))
-        if received > limit + slack:
-            raise _too_large(limit)
-        return message
-
-    return wrapped
+def _json_type(value) -> str:
+    """A JSON value's type as OpenAI's messages name it."""
+    for kinds, name in ((bool, "a boolean"), ((int, float), "a number"), (list, "an array"),
+                        (dict, "an object"), (str, "a string")):
+        if isinstance(value, kinds):
+            return name
+    return "null"

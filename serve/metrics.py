@@ -1,6 +1,7 @@
 """Prometheus metrics of ``overnight serve`` (``GET /metrics``, behind the server's keys):
-batches by status, the queue's depth, and the requests of every batch by state. Read from the
-store when scraped; the server keeps no counts of its own."""
+batches by status, the queue's depth (batches not started yet), the batches running, and the
+requests of every batch by state. Read from the store when scraped; the server keeps no
+counts of its own."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ class ServerCollector:
         for status in (*STATUSES, *sorted(set(numbers["batches"]) - set(STATUSES))):
             batches.add_metric([status], numbers["batches"].get(status, 0))
         yield batches
-        # in_progress batches run one at a time, oldest first: the others wait behind it
-        waiting = max(numbers["batches"].get("in_progress", 0) - 1, 0)
-        yield GaugeMetricFamily("overnight_batch_queue_depth", "Batches waiting to run: "
-                                "in_progress behind the one running, and validating.",
-                                value=waiting + numbers["batches"].get("validating", 0))
+        # waiting: not started yet (up to --max-running-batches run at once, each with its
+        # in_progress_at set; this once counted every in_progress batch but one as waiting)
+        yield GaugeMetricFamily("overnight_batch_queue_depth", "Batches waiting to start: "
+                                "validating, and in_progress but not started.",
+                                value=numbers["queued"] + numbers["batches"].get("validating",
+                                                                                 0))
+        yield GaugeMetricFamily("overnight_batches_running", "Batches whose job runs now "
+                                "(in_progress and started).", value=numbers["running"])
         requests = CounterMetricFamily("overnight_batch_requests", "Requests of every batch "
                                        "the store holds, by state (completed, failed).",
                                        labels=["state"])

@@ -263,17 +263,24 @@ class Store:
 
     def metrics(self) -> dict:
         """The server's numbers for its metrics endpoint: batches by status (every owner's),
-        and their requests by state, summed (request_counts)."""
+        the in_progress ones split into those queued (not started: no ``in_progress_at``)
+        and those running, and their requests by state, summed (request_counts)."""
         with self._lock:
             rows = self._db.execute("SELECT status, object FROM batches").fetchall()
         statuses: dict[str, int] = {}
+        queued = running = 0
         requests = {"completed": 0, "failed": 0, "total": 0}
         for row in rows:
             statuses[row["status"]] = statuses.get(row["status"], 0) + 1
-            counts = json.loads(row["object"]).get("request_counts") or {}
+            obj = json.loads(row["object"])
+            if row["status"] == "in_progress":
+                started = obj.get("in_progress_at") is not None
+                queued, running = queued + (not started), running + started
+            counts = obj.get("request_counts") or {}
             for key in requests:
                 requests[key] += counts.get(key) or 0
-        return {"batches": statuses, "requests": requests}
+        return {"batches": statuses, "queued": queued, "running": running,
+                "requests": requests}
 
     def set_child(self, batch_id: str, pid: int | None) -> None:
         with self._lock:

@@ -208,6 +208,8 @@ def test_a_malformed_file_fails_its_batch_as_the_hosted_api_reports_it(server, t
     assert created.status == "validating" and created.metadata == {"run": "bad"}
     batch = wait(client, created.id)[-1]
     assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
+    # a file refused counts no requests, as the hosted API's (completed + failed = total)
+    assert batch.request_counts.model_dump() == {"total": 0, "completed": 0, "failed": 0}
     assert [(e.code, e.line) for e in batch.errors.data] == [
         ("invalid_json_line", 2), ("duplicate_custom_id", 3), ("url_mismatch", 4),
         ("missing_required_parameter", 5)]
@@ -521,11 +523,16 @@ def test_cancel_mid_run_keeps_the_results_done(server, tmp_path):
     assert final.status == "cancelled" and final.cancelled_at, final
     done = final.request_counts.completed
     assert 0 < running.request_counts.completed <= done < FAST + 10_000
-    assert final.request_counts.total == FAST + 10_000 and final.error_file_id is None
+    assert final.request_counts.total == FAST + 10_000 == done + final.request_counts.failed
     results = lines_of(client, final.output_file_id)
     ids = [r["custom_id"] for r in results]
     assert len(ids) == done == len(set(ids)) and set(ids) <= {f"c-{i}" for i in range(FAST + 10_000)}
     assert all(r["response"]["status_code"] == 200 for r in results)
+    # the requests not reached: the error file's, as the hosted API lists them (issue #56 A5)
+    errors = lines_of(client, final.error_file_id)
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert sorted([*ids, *(e["custom_id"] for e in errors)]) == sorted(
+        f"c-{i}" for i in range(FAST + 10_000))
 
 
 def _message_requests(count: int, prefix: str) -> list[dict]:
@@ -736,6 +743,10 @@ def test_a_batch_whose_job_dies_runs_again_from_its_parts_then_fails_with_them(s
     assert len(ids) == len(set(ids)) == final.request_counts.completed
     assert final.request_counts.completed >= before.request_counts.completed > 0
     assert all(r["response"]["status_code"] == 200 for r in results)
+    unreached = lines_of(client, final.error_file_id)  # issue #56 A5: each an error line
+    assert {e["error"]["code"] for e in unreached} == {"batch_failed"}
+    assert len(unreached) == final.request_counts.failed \
+        == final.request_counts.total - len(ids)
 
 
 WINDOW_S = 75  # long enough for its first parts here (a block of 512 rows), far shorter than its tail
@@ -773,5 +784,64 @@ def test_a_batch_past_its_window_expires_with_its_done_part_and_a_queued_one_nev
         other = wait(client, queued.id, timeout=60)[-1]
         assert other.status == "expired" and other.in_progress_at is None, other
         assert other.output_file_id is None and other.request_counts.completed == 0
+        # its requests are each an error line (issue #56 A5), as those the first did not reach
+        assert other.request_counts.failed == other.request_counts.total == 3
+        assert [(e["custom_id"], e["error"]["code"]) for e in lines_of(
+            client, other.error_file_id)] == [(f"q-{i}", "batch_expired") for i in range(3)]
+        assert final.request_counts.failed == final.request_counts.total - done
     finally:
         server.stop()
+
+
+def _session(sid: int) -> list[bytes]:
+    """The command lines of the live processes of a session (a batch's child starts one;
+    Ray's workers take process groups of their own inside it)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append((stat.parent / "cmdline").read_bytes())
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_sigterm_of_the_server_leaves_nothing_of_a_batchs_own_child(server, tmp_path):
+    """SIGTERM of the server while a batch runs in a child of its own (an embeddings batch
+    loads its own engine, as every batch does with --engine per-batch): the child's whole
+    session goes with the server, its Ray agents too (a child killed by PDEATHSIG alone
+    left ray::DashboardAgent and ray::RuntimeEnvAgent running), and the stop is not counted
+    as a death of the batch. Last in the module: it stops the module's server."""
+    from serve.runner import DEATHS
+
+    client = server.client()
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "m", "input": f"a steel lamp, number {i}"}} for i in range(2000)]
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    batch = client.batches.create(
+        input_file_id=client.files.create(file=tmp_path / "e.jsonl", purpose="batch").id,
+        endpoint="/v1/embeddings", completion_window="24h")
+    child = _new_child(server, batch.id, None)
+    try:
+        wait_until(lambda: sum(c.startswith(b"ray::") for c in _session(child)) >= 2,
+                   timeout=120)  # its Ray's agents are up
+        server.proc.terminate()
+        assert server.proc.wait(90) is not None
+        time.sleep(2)  # (what outlives the server would still be there)
+        assert _session(child) == [], _session(child)
+        assert not (server.root / "data" / "batches" / batch.id / DEATHS).exists()
+    finally:
+        for pid in [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat")
+                    if _in_session(p, child)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _in_session(stat: Path, sid: int) -> bool:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[3]) == sid
+    except (OSError, IndexError, ValueError):
+        return False

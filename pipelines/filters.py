@@ -1,0 +1,674 @@
+"""A row filter's text (the ``where`` of ``overnight view``'s page and of ``overnight serve``'s
+batch pages) as a polars expression, built from an allow-list: the frame's own columns (bare,
+``"double-quoted"``, a struct's field by a dot: ``judge.score``), literals, operators and a
+few functions. Nothing else parses.
+
+Why not ``pl.sql_expr``: polars' SQL parses subqueries with table functions (``read_csv``,
+``read_parquet``, ``read_ndjson``, ``read_json``, with globs and absolute paths) and opens the
+files while it parses; its errors then print what it read (another key's upload, the
+server's secret). Here the expression is built with ``pl.col`` and ``pl.lit`` only, so a
+filter cannot name anything but the frame's columns, and every error is this module's own one
+line (``FilterError``), never polars' text.
+
+The language is the SQL users write in a filter box::
+
+    condition := disjunct (OR disjunct)*          disjunct := term (AND term)*
+    term      := NOT term | value [test]
+    test      := (= | == | != | <> | < | <= | > | >=) value
+               | IS [NOT] NULL | [NOT] IN (literal, ...) | [NOT] (LIKE | ILIKE) 'pattern'
+               | [NOT] BETWEEN value AND value
+    value     := sum, with + - (numbers), || (text), * / % (numbers), unary -
+    atom      := column | literal | (condition) | function(value, ...)
+               | CAST(value AS type) | TRY_CAST(value AS type)
+
+Types are checked against the frame's schema before anything runs (a text column compared
+with a number is a FilterError naming it); what can only fail on a value (a CAST of "good" to
+an integer) fails when the frame is collected, and the caller says so in its own words.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import difflib
+import re
+from dataclasses import dataclass
+
+from pipelines.errors import ConfigError
+
+MAX_LENGTH = 4000  # characters of a filter: a condition typed in a box, not a program
+MAX_DEPTH = 40  # parentheses, NOTs and function calls inside one another
+MAX_OPERATORS = 200  # comparisons, arithmetic, AND, OR, calls (IN's items are not counted)
+KEYWORDS = {"AND", "OR", "NOT", "IS", "NULL", "TRUE", "FALSE", "IN", "LIKE", "ILIKE",
+            "BETWEEN", "CAST", "TRY_CAST", "AS"}
+# SQL's words for queries, said to be no part of a filter (where no column has the name)
+STATEMENTS = {"SELECT", "FROM", "WITH", "UNION", "VALUES", "TABLE", "INSERT", "UPDATE",
+              "DELETE", "DROP", "CREATE", "ATTACH", "COPY", "PRAGMA", "EXPLAIN"}
+OPERATORS = ("<>", "!=", "<=", ">=", "==", "||", "=", "<", ">", "+", "-", "*", "/", "%", "(",
+             ")", ",", ".")
+# the types CAST takes, by the names SQL spells them
+CASTS = {**dict.fromkeys(("INT", "INTEGER", "BIGINT", "SMALLINT", "TINYINT", "INT2", "INT4",
+                          "INT8", "INT64", "LONG"), "Int64"),
+         **dict.fromkeys(("FLOAT", "DOUBLE", "REAL", "FLOAT4", "FLOAT8", "FLOAT64", "NUMERIC",
+                          "DECIMAL"), "Float64"),
+         **dict.fromkeys(("TEXT", "VARCHAR", "STRING", "CHAR"), "String"),
+         **dict.fromkeys(("BOOL", "BOOLEAN"), "Boolean")}
+
+
+class FilterError(ConfigError):
+    """A filter that does not parse or does not fit the frame: a one-line message a caller
+    may see (it quotes only the filter and the frame's column names)."""
+
+
+@dataclass(frozen=True)
+class Token:
+    kind: str  # "name", "quoted" (a "double-quoted" name), "number", "string", "op", "word", "end"
+    text: str
+    at: int  # the character it starts at (1-based, as the message says it)
+    value: object = None
+
+
+@dataclass
+class Value:
+    """An expression and what it holds: "num", "str", "bool", "null", "date", "datetime",
+    "time", "duration", "struct", "list", "binary" or "other"; ``literal``: a literal's
+    Python value (LIKE's pattern, IN's items), else None."""
+
+    expr: object
+    kind: str
+    dtype: object = None
+    literal: object = None
+    is_literal: bool = False
+
+
+def filter_expr(text: str, schema) -> object:
+    """``text`` as a polars expression over a frame of ``schema`` (a mapping of column names to
+    polars types), null counting as false; a FilterError if it is not one."""
+    return _Parser(text, dict(schema)).parse().fill_null(False)
+
+
+def tokenize(text: str) -> list[Token]:
+    """The filter's tokens; a FilterError at the first character that is not one."""
+    if not isinstance(text, str):
+        raise FilterError("a filter is text")
+    if len(text) > MAX_LENGTH:
+        raise FilterError(f"the filter is {len(text)} characters; at most {MAX_LENGTH}")
+    tokens, i, n = [], 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch.isspace():
+            i += 1
+        elif ch == "'":
+            value, end = _quoted(text, i, "'")
+            tokens.append(Token("string", text[i:end], i + 1, value))
+            i = end
+        elif ch == '"':
+            value, end = _quoted(text, i, '"')
+            if not value:
+                raise FilterError(f'an empty quoted name "" at character {i + 1}')
+            tokens.append(Token("quoted", text[i:end], i + 1, value))
+            i = end
+        elif ch in "0123456789" or (ch == "." and i + 1 < n and text[i + 1] in "0123456789"):
+            end = _number_end(text, i)
+            tokens.append(Token("number", text[i:end], i + 1, _number(text[i:end], i + 1)))
+            i = end
+        elif ch.isalpha() or ch == "_":
+            end = i + 1
+            while end < n and (text[end].isalnum() or text[end] == "_"):
+                end += 1
+            word = text[i:end]
+            kind = "word" if word.upper() in KEYWORDS else "name"
+            tokens.append(Token(kind, word.upper() if kind == "word" else word, i + 1, word))
+            i = end
+        else:
+            op = next((o for o in OPERATORS if text.startswith(o, i)), None)
+            if op is None:
+                raise FilterError(f"unexpected {_shown(ch)} at character {i + 1}")
+            tokens.append(Token("op", op, i + 1))
+            i += len(op)
+    tokens.append(Token("end", "", n + 1))
+    return tokens
+
+
+def _quoted(text: str, start: int, quote: str) -> tuple[str, int]:
+    """A quoted string or name from ``start`` (its opening quote), a doubled quote standing
+    for one: its value, and the index after its closing quote."""
+    out, i = [], start + 1
+    while i < len(text):
+        if text[i] == quote:
+            if text.startswith(quote * 2, i):
+                out.append(quote)
+                i += 2
+                continue
+            return "".join(out), i + 1
+        out.append(text[i])
+        i += 1
+    kind = "string" if quote == "'" else "quoted name"
+    raise FilterError(f"a {kind} opened at character {start + 1} is never closed")
+
+
+def _number_end(text: str, i: int) -> int:
+    match = re.compile(r"[0-9]*\.?[0-9]*(?:[eE][+-]?[0-9]+)?").match(text, i)
+    end = match.end()
+    if end < len(text) and (text[end].isalnum() or text[end] == "_"):
+        raise FilterError(f"a number runs into {_shown(text[end])} at character {end + 1}")
+    return end
+
+
+def _number(token: str, at: int):
+    if re.fullmatch(r"[0-9]+", token):
+        value = int(token)
+        if value > 2**63 - 1:
+            raise FilterError(f"the number {token[:30]} at character {at} is too large")
+        return value
+    try:
+        return float(token)
+    except ValueError:
+        raise FilterError(f"{token[:30]!r} at character {at} is not a number") from None
+
+
+def _shown(ch: str) -> str:
+    """A character as a message names it: itself where printable, else its code point."""
+    return repr(ch) if ch.isprintable() and not ch.isspace() else f"U+{ord(ch):04X}"
+
+
+def kind_of(dtype) -> str:
+    """What a column of a polars type holds, as the checks name it."""
+    import polars as pl
+
+    if dtype == pl.Boolean:
+        return "bool"
+    if dtype.is_numeric():
+        return "num"
+    if dtype in (pl.String, pl.Categorical) or isinstance(dtype, (pl.Categorical, pl.Enum)):
+        return "str"
+    for kind, types in (("date", (pl.Date,)), ("datetime", (pl.Datetime,)), ("time", (pl.Time,)),
+                        ("duration", (pl.Duration,)), ("struct", (pl.Struct,)),
+                        ("list", (pl.List, pl.Array)), ("binary", (pl.Binary,)),
+                        ("null", (pl.Null,))):
+        if dtype == types[0] or isinstance(dtype, types):
+            return kind
+    return "other"
+
+
+NAMES = {"num": "a number", "str": "text", "bool": "a condition (true or false)",
+         "null": "null", "date": "a date", "datetime": "a timestamp", "time": "a time of day",
+         "duration": "a duration", "struct": "a struct", "list": "a list",
+         "binary": "bytes", "other": "a value of another type"}
+
+
+class _Parser:
+    """Recursive descent over the tokens, building the polars expression as it goes."""
+
+    def __init__(self, text: str, schema: dict):
+        self.text, self.schema = text, schema
+        self.tokens = tokenize(text)
+        self.i, self.depth, self.operators = 0, 0, 0
+
+    # -- the token stream -------------------------------------------------------------------
+
+    @property
+    def token(self) -> Token:
+        return self.tokens[self.i]
+
+    def take(self) -> Token:
+        token = self.tokens[self.i]
+        self.i += 1
+        return token
+
+    def at(self, kind: str, *texts: str) -> bool:
+        token = self.token
+        return token.kind == kind and (not texts or token.text in texts)
+
+    def accept(self, kind: str, *texts: str) -> Token | None:
+        return self.take() if self.at(kind, *texts) else None
+
+    def expect(self, kind: str, text: str, what: str) -> Token:
+        if not self.at(kind, text):
+            raise self.unexpected(what)
+        return self.take()
+
+    def unexpected(self, wanted: str) -> FilterError:
+        token = self.token
+        if token.kind == "end":
+            return FilterError(f"the filter ends where {wanted} should follow")
+        return FilterError(f"{token.text[:40]!r} at character {token.at}: {wanted} expected")
+
+    def deeper(self):
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise FilterError(f"the filter nests more than {MAX_DEPTH} deep "
+                              f"(at character {self.token.at})")
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+
+    # -- the grammar ------------------------------------------------------------------------
+
+    def parse(self):
+        if self.token.kind == "end":
+            raise FilterError("the filter is empty")
+        value = self.condition()
+        if not self.at("end"):
+            raise self.unexpected("an operator (AND, OR, =, ...) or the end")
+        if value.kind not in ("bool", "null"):
+            raise FilterError(f"the filter is {NAMES[value.kind]}, not a condition (true or "
+                              "false for each row)")
+        return value.expr
+
+    def condition(self) -> Value:
+        return self.chain("OR", self.disjunct, _pl().any_horizontal)
+
+    def disjunct(self) -> Value:
+        return self.chain("AND", self.term, _pl().all_horizontal)
+
+    def chain(self, word: str, operand, join) -> Value:
+        """Operands joined by AND (OR) as one flat all (any) of them, SQL's logic of nulls
+        kept: a left-deep tree of 400 ANDs took polars 6 s to optimize, this takes ms."""
+        values = [operand()]
+        while self.accept("word", word):
+            self.count()
+            values.append(operand())
+        if len(values) == 1:
+            return values[0]
+        return Value(join([self.logical(v, word) for v in values]), "bool")
+
+    def count(self) -> None:
+        """One operator more; a FilterError past MAX_OPERATORS (polars' optimizer is
+        quadratic in an expression's depth)."""
+        self.operators += 1
+        if self.operators > MAX_OPERATORS:
+            raise FilterError(f"the filter has more than {MAX_OPERATORS} operators "
+                              f"(at character {self.token.at})")
+
+    def logical(self, value: Value, word: str):
+        if value.kind not in ("bool", "null"):
+            raise FilterError(f"{word} joins conditions; one side is {NAMES[value.kind]}")
+        return value.expr.cast(_pl().Boolean) if value.kind == "null" else value.expr
+
+    def term(self) -> Value:
+        if self.accept("word", "NOT"):
+            with self.deeper():
+                value = self.term()
+            return Value(~self.logical(value, "NOT"), "bool")
+        return self.test(self.value())
+
+    def test(self, left: Value) -> Value:
+        if self.at("op", "=", "==", "!=", "<>", "<", "<=", ">", ">="):
+            op = self.take()
+            return self.compare(left, op, self.value())
+        if self.accept("word", "IS"):
+            negated = bool(self.accept("word", "NOT"))
+            self.expect("word", "NULL", "NULL (IS NULL, IS NOT NULL)")
+            return Value(left.expr.is_not_null() if negated else left.expr.is_null(), "bool")
+        negated = bool(self.accept("word", "NOT"))
+        if self.accept("word", "IN"):
+            found = self.in_list(left)
+        elif self.at("word", "LIKE", "ILIKE"):
+            found = self.like(left, self.take())
+        elif self.accept("word", "BETWEEN"):
+            low = self.value()
+            self.expect("word", "AND", "AND (BETWEEN low AND high)")
+            high = self.value()
+            ge, le = Token("op", ">=", 0), Token("op", "<=", 0)
+            found = Value(self.compare(left, ge, low).expr & self.compare(left, le, high).expr,
+                          "bool")
+        elif negated:
+            raise self.unexpected("IN, LIKE, ILIKE or BETWEEN after NOT")
+        else:
+            return left
+        return Value(~found.expr, "bool") if negated else found
+
+    def compare(self, left: Value, op: Token, right: Value) -> Value:
+        if op.at:  # (not IN's items, BETWEEN's bounds)
+            self.count()
+        left, right = self.comparable(left, right, op.text)
+        a, b = left.expr, right.expr
+        expr = {"=": a == b, "==": a == b, "!=": a != b, "<>": a != b, "<": a < b,
+                "<=": a <= b, ">": a > b, ">=": a >= b}[op.text]
+        return Value(expr, "bool")
+
+    def comparable(self, left: Value, right: Value, op: str) -> tuple[Value, Value]:
+        """The two sides, a date's or a timestamp's text literal read as one; a FilterError
+        where they cannot be compared."""
+        if left.kind in ("date", "datetime") and right.kind == "str" and right.is_literal:
+            right = _temporal(right, left.kind, left.dtype)
+        elif right.kind in ("date", "datetime") and left.kind == "str" and left.is_literal:
+            left = _temporal(left, right.kind, right.dtype)
+        kinds = {left.kind, right.kind}
+        if "null" in kinds or len(kinds) == 1 and left.kind not in ("struct", "list",
+                                                                      "binary", "other") \
+                or kinds == {"date", "datetime"}:
+            return left, right
+        raise FilterError(f"{op} compares {NAMES[left.kind]} with {NAMES[right.kind]}"
+                          f"{self.near()}")
+
+    def near(self) -> str:
+        return f" (before character {self.token.at})"
+
+    def in_list(self, left: Value) -> Value:
+        self.expect("op", "(", "( after IN")
+        items = [self.literal_item()]
+        while self.accept("op", ","):
+            items.append(self.literal_item())
+        self.expect("op", ")", ") closing IN's list")
+        eq = Token("op", "=", 0)
+        return Value(_pl().any_horizontal([self.compare(left, eq, item).expr
+                                           for item in items]), "bool")
+
+    def literal_item(self) -> Value:
+        value = self.value()
+        if not value.is_literal:
+            raise FilterError(f"IN takes a list of literals (numbers, 'text', TRUE, FALSE, "
+                              f"NULL){self.near()}")
+        return value
+
+    def like(self, left: Value, word: Token) -> Value:
+        pattern = self.value()
+        if left.kind != "str":
+            raise FilterError(f"{word.text} matches text; its left side is "
+                              f"{NAMES[left.kind]}{self.near()}")
+        if pattern.kind == "null":
+            return Value(_pl().lit(None, _pl().Boolean), "bool")
+        if not (pattern.is_literal and pattern.kind == "str"):
+            raise FilterError(f"{word.text} takes a 'pattern' in quotes{self.near()}")
+        regex = "".join(".*" if c == "%" else "." if c == "_" else _escaped(c)
+                        for c in pattern.literal)
+        flags = "(?is)" if word.text == "ILIKE" else "(?s)"
+        return Value(left.expr.str.contains(f"{flags}^{regex}$"), "bool")
+
+    def value(self) -> Value:
+        left = self.product()
+        while self.at("op", "+", "-", "||"):
+            op = self.take()
+            right = self.product()
+            self.count()
+            if op.text == "||":
+                self.need(left, "str", "||")
+                self.need(right, "str", "||")
+                left = Value(left.expr + right.expr, "str")
+            else:
+                left = self.arithmetic(left, op, right)
+        return left
+
+    def product(self) -> Value:
+        left = self.unary()
+        while self.at("op", "*", "/", "%"):
+            op = self.take()
+            self.count()
+            left = self.arithmetic(left, op, self.unary())
+        return left
+
+    def arithmetic(self, left: Value, op: Token, right: Value) -> Value:
+        for side in (left, right):
+            if side.kind not in ("num", "null"):
+                raise FilterError(f"{op.text} takes numbers; one side is {NAMES[side.kind]} "
+                                  f"(at character {op.at})")
+        a, b = left.expr, right.expr
+        if op.text == "%":  # SQL's remainder takes the dividend's sign (polars' %: the divisor's)
+            return Value((a.abs() % b.abs()) * a.sign(), "num")
+        expr = {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op.text]
+        return Value(expr, "num")
+
+    def unary(self) -> Value:
+        if self.at("op", "-", "+"):
+            op = self.take()
+            with self.deeper():
+                value = self.unary()
+            self.need(value, "num", f"unary {op.text}")
+            if op.text == "+":
+                return value
+            if value.is_literal and value.literal is not None:
+                return _literal(-value.literal)
+            return Value(-value.expr, "num")
+        return self.atom()
+
+    def need(self, value: Value, kind: str, what: str) -> None:
+        if value.kind not in (kind, "null"):
+            raise FilterError(f"{what} takes {NAMES[kind]}, not {NAMES[value.kind]}"
+                              f"{self.near()}")
+
+    def atom(self) -> Value:
+        token = self.token
+        if token.kind in ("number", "string"):
+            self.take()
+            return _literal(token.value)
+        if self.accept("word", "NULL"):
+            return _literal(None)
+        if self.at("word", "TRUE", "FALSE"):
+            return _literal(self.take().text == "TRUE")
+        if self.accept("op", "("):
+            with self.deeper():
+                value = self.condition()
+            self.expect("op", ")", "')'")
+            return value
+        if self.at("word", "CAST", "TRY_CAST"):
+            return self.cast(self.take())
+        if token.kind == "name" and self.tokens[self.i + 1].text == "(" \
+                and self.tokens[self.i + 1].kind == "op":
+            return self.function(self.take())
+        if token.kind in ("name", "quoted"):
+            return self.column()
+        raise self.unexpected("a column, a literal or '('")
+
+    def column(self) -> Value:
+        first = self.take()
+        parts = [first.value]
+        while self.at("op", "."):
+            self.take()
+            if not self.at("name") and not self.at("quoted"):
+                raise self.unexpected("a field name after '.'")
+            parts.append(self.take().value)
+        # a column whose own name holds the dots, else a column and its struct's fields
+        for size in range(len(parts), 0, -1):
+            name = ".".join(parts[:size])
+            if name in self.schema:
+                return self.fields(name, parts[size:], first.at)
+        if first.kind == "name" and first.text.upper() in STATEMENTS:
+            raise FilterError(f"{first.text[:20]} at character {first.at}: a filter is one "
+                              "condition on the rows' columns, never a query (no subquery, "
+                              "no table function)")
+        raise FilterError(f"no column {parts[0]!r} (character {first.at})"
+                          f"{_close(parts[0], self.schema)}")
+
+    def fields(self, name: str, fields: list[str], at: int) -> Value:
+        pl = _pl()
+        expr, dtype, path = pl.col(name), self.schema[name], name
+        for field in fields:
+            names = [f.name for f in dtype.fields] if isinstance(dtype, pl.Struct) else None
+            if names is None:
+                raise FilterError(f"{path!r} is {NAMES[kind_of(dtype)]}, not a struct: it has "
+                                  f"no field {field!r} (character {at})")
+            if field not in names:
+                raise FilterError(f"{path!r} has no field {field!r} (character {at})"
+                                  f"{_close(field, names, 'fields')}")
+            dtype = dict(zip(names, (f.dtype for f in dtype.fields)))[field]
+            expr, path = expr.struct.field(field), f"{path}.{field}"
+        if kind_of(dtype) == "str" and dtype != pl.String:  # categorical: text's methods
+            expr = expr.cast(pl.String)
+        return Value(expr, kind_of(dtype), dtype)
+
+    def cast(self, word: Token) -> Value:
+        pl = _pl()
+        self.expect("op", "(", f"( after {word.text}")
+        with self.deeper():
+            value = self.condition()
+        self.expect("word", "AS", f"AS (type) in {word.text}")
+        name = self.accept("name")
+        target = CASTS.get(name.text.upper()) if name else None
+        if target is None:
+            raise FilterError(f"{word.text} takes a type: one of {', '.join(sorted(CASTS))}"
+                              f"{self.near()}")
+        if name.text.upper() == "DOUBLE" and self.at("name") \
+                and self.token.text.upper() == "PRECISION":
+            self.take()
+        self.expect("op", ")", f") closing {word.text}")
+        if value.kind not in ("num", "str", "bool", "null"):
+            raise FilterError(f"{word.text} converts numbers, text and conditions; this is "
+                              f"{NAMES[value.kind]}{self.near()}")
+        dtype = getattr(pl, target)
+        kind = kind_of(dtype)
+        return Value(value.expr.cast(dtype, strict=word.text == "CAST"), kind, dtype)
+
+    def function(self, name: Token) -> Value:
+        spec = FUNCTIONS.get(name.text.lower())
+        if spec is None:
+            raise FilterError(f"no function {name.text[:40]!r} (character {name.at}); a filter "
+                              f"may use {', '.join(sorted(FUNCTIONS))}")
+        self.take()  # (
+        self.count()
+        args = []
+        with self.deeper():
+            if not self.at("op", ")"):
+                args.append(self.value())
+                while self.accept("op", ","):
+                    args.append(self.value())
+        self.expect("op", ")", f") closing {name.text}(")
+        return spec(self, name.text.lower(), args)
+
+
+def _pl():
+    import polars as pl
+
+    return pl
+
+
+def _literal(value) -> Value:
+    pl = _pl()
+    if value is None:
+        return Value(pl.lit(None), "null", None, None, True)
+    if isinstance(value, bool):
+        return Value(pl.lit(value), "bool", pl.Boolean, value, True)
+    if isinstance(value, int):
+        return Value(pl.lit(value, pl.Int64), "num", pl.Int64, value, True)
+    if isinstance(value, float):
+        return Value(pl.lit(value, pl.Float64), "num", pl.Float64, value, True)
+    return Value(pl.lit(value, pl.String), "str", pl.String, value, True)
+
+
+def _escaped(ch: str) -> str:
+    """A character of a LIKE pattern as the regex matches it literally (polars' regex is
+    Rust's: a code point escape is valid for every character)."""
+    return ch if ch.isascii() and ch.isalnum() else f"\\x{{{ord(ch):X}}}"
+
+
+def _temporal(value: Value, kind: str, dtype=None) -> Value:
+    """A text literal compared with a date or timestamp column, read as one (ISO 8601); a
+    time without a zone is in the column's zone, if it has one."""
+    pl = _pl()
+    zone = getattr(dtype, "time_zone", None)
+    readers = (_dt.date.fromisoformat, _dt.datetime.fromisoformat) if kind == "date" \
+        else (_dt.datetime.fromisoformat,)
+    for read in readers:
+        try:
+            parsed = read(value.literal)
+        except ValueError:
+            continue
+        found = "date" if type(parsed) is _dt.date else "datetime"
+        if found == "datetime" and (parsed.tzinfo is not None or zone is not None):
+            if zone is None:
+                raise FilterError(f"{value.literal[:40]!r} has a time zone; the column's "
+                                  "times have none")
+            from zoneinfo import ZoneInfo
+
+            parsed = (parsed.replace(tzinfo=ZoneInfo(zone)) if parsed.tzinfo is None
+                      else parsed.astimezone(ZoneInfo(zone)))
+        return Value(pl.lit(parsed), found, None, parsed, True)
+    raise FilterError(f"{value.literal[:40]!r} is not an ISO 8601 "
+                      f"{'date' if kind == 'date' else 'timestamp'}")
+
+
+def _close(name: str, known, what: str = "columns") -> str:
+    """'; did you mean X? the columns are: ...' for a name not found."""
+    known = [k for k in known if not str(k).startswith("__overnight_")]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    listed = ", ".join(known[:30]) + (", ..." if len(known) > 30 else "")
+    return f"{hint or ';'} the {what} are: {listed}" if known else hint
+
+
+# -- functions: name -> (parser, name, args) -> Value -------------------------------------------
+
+def _arity(name: str, args: list, low: int, high: int | None = None) -> None:
+    high = low if high is None else high
+    if not low <= len(args) <= high:
+        wanted = str(low) if low == high else f"{low} to {high}"
+        raise FilterError(f"{name}() takes {wanted} argument{'s' * (high != 1)}, not "
+                          f"{len(args)}")
+
+
+def _text_function(method):
+    def build(parser: _Parser, name: str, args: list) -> Value:
+        _arity(name, args, 1)
+        parser.need(args[0], "str", f"{name}()")
+        return Value(method(args[0].expr.str), "str")
+    return build
+
+
+def _length(parser: _Parser, name: str, args: list) -> Value:
+    _arity(name, args, 1)
+    value = args[0]
+    pl = _pl()
+    if value.kind == "str":
+        return Value(value.expr.str.len_bytes() if name == "octet_length"
+                     else value.expr.str.len_chars(), "num")
+    if value.kind == "list" and name != "octet_length":
+        return Value(value.expr.arr.len() if isinstance(value.dtype, pl.Array)
+                     else value.expr.list.len(), "num")
+    if value.kind == "null":
+        return Value(pl.lit(None, pl.Int64), "num")
+    raise FilterError(f"{name}() takes text{' or a list' * (name != 'octet_length')}, not "
+                      f"{NAMES[value.kind]}")
+
+
+def _abs(parser: _Parser, name: str, args: list) -> Value:
+    _arity(name, args, 1)
+    parser.need(args[0], "num", "abs()")
+    return Value(args[0].expr.abs(), "num")
+
+
+def _round(parser: _Parser, name: str, args: list) -> Value:
+    _arity(name, args, 1, 2)
+    parser.need(args[0], "num", "round()")
+    digits = 0
+    if len(args) == 2:
+        if not (args[1].is_literal and isinstance(args[1].literal, int)
+                and not isinstance(args[1].literal, bool) and 0 <= args[1].literal <= 20):
+            raise FilterError("round()'s second argument is a whole number of digits, 0 to 20")
+        digits = args[1].literal
+    return Value(args[0].expr.round(digits), "num")
+
+
+def _coalesce(parser: _Parser, name: str, args: list) -> Value:
+    if not args:
+        raise FilterError("coalesce() takes at least one argument")
+    kinds = {a.kind for a in args} - {"null"}
+    if len(kinds) > 1:
+        raise FilterError(f"coalesce() takes values of one type, not "
+                          f"{' and '.join(sorted(NAMES[k] for k in kinds))}")
+    return Value(_pl().coalesce([a.expr for a in args]), kinds.pop() if kinds else "null")
+
+
+def _affix(parser: _Parser, name: str, args: list) -> Value:
+    _arity(name, args, 2)
+    parser.need(args[0], "str", f"{name}()")
+    if not (args[1].is_literal and args[1].kind == "str"):
+        raise FilterError(f"{name}() takes 'text' in quotes as its second argument")
+    method = args[0].expr.str.starts_with if name == "starts_with" else \
+        args[0].expr.str.ends_with
+    return Value(method(args[1].literal), "bool")
+
+
+FUNCTIONS = {
+    "lower": _text_function(lambda s: s.to_lowercase()),
+    "upper": _text_function(lambda s: s.to_uppercase()),
+    "trim": _text_function(lambda s: s.strip_chars()),
+    "ltrim": _text_function(lambda s: s.strip_chars_start()),
+    "rtrim": _text_function(lambda s: s.strip_chars_end()),
+    "length": _length, "char_length": _length, "character_length": _length,
+    "octet_length": _length, "abs": _abs, "round": _round, "coalesce": _coalesce,
+    "starts_with": _affix, "ends_with": _affix,
+}
