@@ -37,7 +37,12 @@ from pipelines.errors import ConfigError
 
 MAX_LENGTH = 4000  # characters of a filter: a condition typed in a box, not a program
 MAX_DEPTH = 40  # parentheses, NOTs and function calls inside one another
-MAX_OPERATORS = 200  # comparisons, arithmetic, AND, OR, calls (IN's items are not counted)
+MAX_OPERATORS = 200  # comparisons, arithmetic, AND, OR, IN, BETWEEN, calls (not IN's items)
+# nodes of the built expression, counting every copy polars evaluates apart (SQL's % uses its
+# left side twice): ``a % 2 % 2 ...`` doubles with each %, and polars expands every copy
+MAX_NODES = 2000
+MAX_PATTERN = 500  # characters of a LIKE pattern
+MAX_WILDCARDS = 16  # % and _ in one LIKE pattern (a run of % counting as one)
 KEYWORDS = {"AND", "OR", "NOT", "IS", "NULL", "TRUE", "FALSE", "IN", "LIKE", "ILIKE",
             "BETWEEN", "CAST", "TRY_CAST", "AS"}
 # SQL's words for queries, said to be no part of a filter (where no column has the name)
@@ -71,13 +76,20 @@ class Token:
 class Value:
     """An expression and what it holds: "num", "str", "bool", "null", "date", "datetime",
     "time", "duration", "struct", "list", "binary" or "other"; ``literal``: a literal's
-    Python value (LIKE's pattern, IN's items), else None."""
+    Python value (LIKE's pattern, IN's items), else None; ``size``: the expression's nodes,
+    a part used twice counted twice (a FilterError past MAX_NODES)."""
 
     expr: object
     kind: str
     dtype: object = None
     literal: object = None
     is_literal: bool = False
+    size: int = 1
+
+    def __post_init__(self):
+        if self.size > MAX_NODES:
+            raise FilterError(f"the filter is too large: more than {MAX_NODES} nodes once "
+                              "expanded (each % uses its left side twice)")
 
 
 def filter_expr(text: str, schema) -> object:
@@ -190,6 +202,12 @@ def kind_of(dtype) -> str:
     return "other"
 
 
+def _null_types() -> dict:
+    pl = _pl()
+    return {"num": pl.Float64, "str": pl.String, "bool": pl.Boolean, "date": pl.Date,
+            "datetime": pl.Datetime("us"), "time": pl.Time, "duration": pl.Duration("us")}
+
+
 NAMES = {"num": "a number", "str": "text", "bool": "a condition (true or false)",
          "null": "null", "date": "a date", "datetime": "a timestamp", "time": "a time of day",
          "duration": "a duration", "struct": "a struct", "list": "a list",
@@ -274,7 +292,8 @@ class _Parser:
             values.append(operand())
         if len(values) == 1:
             return values[0]
-        return Value(join([self.logical(v, word) for v in values]), "bool")
+        return Value(join([self.logical(v, word) for v in values]), "bool",
+                     size=1 + sum(v.size for v in values))
 
     def count(self) -> None:
         """One operator more; a FilterError past MAX_OPERATORS (polars' optimizer is
@@ -293,7 +312,7 @@ class _Parser:
         if self.accept("word", "NOT"):
             with self.deeper():
                 value = self.term()
-            return Value(~self.logical(value, "NOT"), "bool")
+            return Value(~self.logical(value, "NOT"), "bool", size=value.size + 1)
         return self.test(self.value())
 
     def test(self, left: Value) -> Value:
@@ -303,33 +322,50 @@ class _Parser:
         if self.accept("word", "IS"):
             negated = bool(self.accept("word", "NOT"))
             self.expect("word", "NULL", "NULL (IS NULL, IS NOT NULL)")
-            return Value(left.expr.is_not_null() if negated else left.expr.is_null(), "bool")
+            return Value(left.expr.is_not_null() if negated else left.expr.is_null(), "bool",
+                         size=left.size + 1)
         negated = bool(self.accept("word", "NOT"))
         if self.accept("word", "IN"):
             found = self.in_list(left)
         elif self.at("word", "LIKE", "ILIKE"):
             found = self.like(left, self.take())
         elif self.accept("word", "BETWEEN"):
-            low = self.value()
-            self.expect("word", "AND", "AND (BETWEEN low AND high)")
-            high = self.value()
-            ge, le = Token("op", ">=", 0), Token("op", "<=", 0)
-            found = Value(self.compare(left, ge, low).expr & self.compare(left, le, high).expr,
-                          "bool")
+            found = self.between(left)
         elif negated:
             raise self.unexpected("IN, LIKE, ILIKE or BETWEEN after NOT")
         else:
             return left
-        return Value(~found.expr, "bool") if negated else found
+        return Value(~found.expr, "bool", size=found.size + 1) if negated else found
 
     def compare(self, left: Value, op: Token, right: Value) -> Value:
-        if op.at:  # (not IN's items, BETWEEN's bounds)
-            self.count()
+        self.count()
         left, right = self.comparable(left, right, op.text)
         a, b = left.expr, right.expr
         expr = {"=": a == b, "==": a == b, "!=": a != b, "<>": a != b, "<": a < b,
                 "<=": a <= b, ">": a > b, ">=": a >= b}[op.text]
-        return Value(expr, "bool")
+        return Value(expr, "bool", size=left.size + right.size + 1)
+
+    def between(self, left: Value) -> Value:
+        """``left BETWEEN low AND high``: polars' is_between, which reads ``left`` once (not
+        ``left >= low AND left <= high``, two copies of it), with SQL's nulls: a NULL bound
+        leaves the other comparison to decide (false, or null)."""
+        self.count()
+        low = self.value()
+        self.expect("word", "AND", "AND (BETWEEN low AND high)")
+        high = self.value()
+        left, low = self.comparable(left, low, "BETWEEN")
+        left, high = self.comparable(left, high, "BETWEEN")
+        size = left.size + low.size + high.size + 1
+        pl = _pl()
+        if left.kind == "null":
+            return Value(pl.lit(None, pl.Boolean), "bool", size=size)
+        # an untyped NULL bound makes polars' is_between null on every row; a typed one
+        # keeps SQL's three-valued AND
+        dtype = left.dtype if left.kind in ("date", "datetime", "time", "duration") \
+            and left.dtype is not None else _null_types().get(left.kind)
+        low_expr, high_expr = ((pl.lit(None, dtype) if bound.kind == "null" else bound.expr)
+                               for bound in (low, high))
+        return Value(left.expr.is_between(low_expr, high_expr), "bool", size=size)
 
     def comparable(self, left: Value, right: Value, op: str) -> tuple[Value, Value]:
         """The two sides, a date's or a timestamp's text literal read as one; a FilterError
@@ -350,14 +386,65 @@ class _Parser:
         return f" (before character {self.token.at})"
 
     def in_list(self, left: Value) -> Value:
+        """``left IN (literal, ...)``: polars' is_in (``left`` read once, not once per item),
+        with SQL's nulls: a NULL item makes a row no item equals null (so NOT IN with a NULL
+        is never true), and a null ``left`` is null."""
+        self.count()
         self.expect("op", "(", "( after IN")
         items = [self.literal_item()]
         while self.accept("op", ","):
             items.append(self.literal_item())
         self.expect("op", ")", ") closing IN's list")
-        eq = Token("op", "=", 0)
-        return Value(_pl().any_horizontal([self.compare(left, eq, item).expr
-                                           for item in items]), "bool")
+        for i, item in enumerate(items):
+            left, items[i] = self.comparable(left, item, "IN")
+        pl = _pl()
+        values = [item.literal for item in items if item.kind != "null"]
+        size = left.size + 2
+        if left.kind == "null" or not values:
+            return Value(pl.lit(None, pl.Boolean), "bool", size=size)
+        target, values = self.in_type(left, values)
+        found = left.expr.cast(target).is_in(pl.Series(values, dtype=target).implode())
+        if len(values) < len(items) and any(item.kind == "null" for item in items):
+            found = found | pl.lit(None, pl.Boolean)  # true | null: true; false | null: null
+        return Value(found, "bool", size=size)
+
+    def in_type(self, left: Value, values: list) -> tuple[object, list]:
+        """The type IN compares ``left`` with its items in (polars' is_in wants one type), and
+        the items in it: integers as integers, numbers with a fraction as Float64, a date
+        with timestamps as timestamps."""
+        pl = _pl()
+        if left.kind == "num":
+            dtype = self.dtype_of(left)
+            if all(isinstance(v, int) for v in values) and dtype is not None \
+                    and dtype.is_integer() and dtype not in (pl.Int128, pl.UInt128):
+                if dtype.is_unsigned_integer():  # a negative item equals no row
+                    return pl.UInt64, [v for v in values if v >= 0]
+                return pl.Int64, values
+            return pl.Float64, [float(v) for v in values]
+        if left.kind == "date":
+            if all(type(v) is _dt.date for v in values):
+                return pl.Date, values
+            return pl.Datetime("us"), [v if isinstance(v, _dt.datetime)
+                                       else _dt.datetime.combine(v, _dt.time()) for v in values]
+        if left.kind == "datetime":
+            dtype = left.dtype if left.dtype is not None else pl.Datetime("us")
+            return dtype, values
+        types = {"str": pl.String, "bool": pl.Boolean}
+        if left.kind not in types:  # (comparable lets no literal but NULL meet these)
+            raise FilterError(f"IN compares {NAMES[left.kind]} with literals{self.near()}")
+        return types[left.kind], values
+
+    def dtype_of(self, value: Value):
+        """A value's polars type, resolved over the frame's schema where it is computed (no
+        row is read); None if polars cannot say."""
+        if value.dtype is not None:
+            return value.dtype
+        pl = _pl()
+        try:
+            return pl.LazyFrame(schema=self.schema).select(
+                value.expr.alias("value")).collect_schema()["value"]
+        except Exception:  # noqa: BLE001 - then compared as Float64
+            return None
 
     def literal_item(self) -> Value:
         value = self.value()
@@ -375,10 +462,18 @@ class _Parser:
             return Value(_pl().lit(None, _pl().Boolean), "bool")
         if not (pattern.is_literal and pattern.kind == "str"):
             raise FilterError(f"{word.text} takes a 'pattern' in quotes{self.near()}")
-        regex = "".join(".*" if c == "%" else "." if c == "_" else _escaped(c)
-                        for c in pattern.literal)
+        text = pattern.literal
+        if len(text) > MAX_PATTERN:
+            raise FilterError(f"{word.text}'s pattern is {len(text)} characters; at most "
+                              f"{MAX_PATTERN}{self.near()}")
+        text = re.sub("%%+", "%", text)  # '%%' matches what '%' does
+        wildcards = text.count("%") + text.count("_")
+        if wildcards > MAX_WILDCARDS:
+            raise FilterError(f"{word.text}'s pattern has {wildcards} wildcards (% and _); at "
+                              f"most {MAX_WILDCARDS}{self.near()}")
+        regex = "".join(".*" if c == "%" else "." if c == "_" else _escaped(c) for c in text)
         flags = "(?is)" if word.text == "ILIKE" else "(?s)"
-        return Value(left.expr.str.contains(f"{flags}^{regex}$"), "bool")
+        return Value(left.expr.str.contains(f"{flags}^{regex}$"), "bool", size=left.size + 1)
 
     def value(self) -> Value:
         left = self.product()
@@ -389,7 +484,7 @@ class _Parser:
             if op.text == "||":
                 self.need(left, "str", "||")
                 self.need(right, "str", "||")
-                left = Value(left.expr + right.expr, "str")
+                left = Value(left.expr + right.expr, "str", size=left.size + right.size + 1)
             else:
                 left = self.arithmetic(left, op, right)
         return left
@@ -408,10 +503,12 @@ class _Parser:
                 raise FilterError(f"{op.text} takes numbers; one side is {NAMES[side.kind]} "
                                   f"(at character {op.at})")
         a, b = left.expr, right.expr
-        if op.text == "%":  # SQL's remainder takes the dividend's sign (polars' %: the divisor's)
-            return Value((a.abs() % b.abs()) * a.sign(), "num")
+        if op.text == "%":  # SQL's remainder takes the dividend's sign (polars' %: the divisor's;
+            # polars has no truncated remainder, so ``a`` is read twice and counted twice)
+            return Value((a.abs() % b.abs()) * a.sign(), "num",
+                         size=2 * left.size + right.size + 4)
         expr = {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op.text]
-        return Value(expr, "num")
+        return Value(expr, "num", size=left.size + right.size + 1)
 
     def unary(self) -> Value:
         if self.at("op", "-", "+"):
@@ -423,7 +520,7 @@ class _Parser:
                 return value
             if value.is_literal and value.literal is not None:
                 return _literal(-value.literal)
-            return Value(-value.expr, "num")
+            return Value(-value.expr, "num", size=value.size + 1)
         return self.atom()
 
     def need(self, value: Value, kind: str, what: str) -> None:
@@ -489,7 +586,7 @@ class _Parser:
             expr, path = expr.struct.field(field), f"{path}.{field}"
         if kind_of(dtype) == "str" and dtype != pl.String:  # categorical: text's methods
             expr = expr.cast(pl.String)
-        return Value(expr, kind_of(dtype), dtype)
+        return Value(expr, kind_of(dtype), dtype, size=len(fields) + 2)
 
     def cast(self, word: Token) -> Value:
         pl = _pl()
@@ -511,7 +608,8 @@ class _Parser:
                               f"{NAMES[value.kind]}{self.near()}")
         dtype = getattr(pl, target)
         kind = kind_of(dtype)
-        return Value(value.expr.cast(dtype, strict=word.text == "CAST"), kind, dtype)
+        return Value(value.expr.cast(dtype, strict=word.text == "CAST"), kind, dtype,
+                     size=value.size + 1)
 
     def function(self, name: Token) -> Value:
         spec = FUNCTIONS.get(name.text.lower())
@@ -574,9 +672,16 @@ def _temporal(value: Value, kind: str, dtype=None) -> Value:
                                   "times have none")
             from zoneinfo import ZoneInfo
 
-            parsed = (parsed.replace(tzinfo=ZoneInfo(zone)) if parsed.tzinfo is None
-                      else parsed.astimezone(ZoneInfo(zone)))
-        return Value(pl.lit(parsed), found, None, parsed, True)
+            try:
+                parsed = (parsed.replace(tzinfo=ZoneInfo(zone)) if parsed.tzinfo is None
+                          else parsed.astimezone(ZoneInfo(zone)))
+            except (ValueError, OverflowError, KeyError):  # (KeyError: a zone Python lacks)
+                raise FilterError(f"{value.literal[:40]!r} is out of range in the column's "
+                                  f"time zone") from None
+        try:
+            return Value(pl.lit(parsed), found, None, parsed, True)
+        except (ValueError, OverflowError):
+            raise FilterError(f"{value.literal[:40]!r} is out of a timestamp's range") from None
     raise FilterError(f"{value.literal[:40]!r} is not an ISO 8601 "
                       f"{'date' if kind == 'date' else 'timestamp'}")
 
@@ -604,7 +709,7 @@ def _text_function(method):
     def build(parser: _Parser, name: str, args: list) -> Value:
         _arity(name, args, 1)
         parser.need(args[0], "str", f"{name}()")
-        return Value(method(args[0].expr.str), "str")
+        return Value(method(args[0].expr.str), "str", size=args[0].size + 1)
     return build
 
 
@@ -614,10 +719,10 @@ def _length(parser: _Parser, name: str, args: list) -> Value:
     pl = _pl()
     if value.kind == "str":
         return Value(value.expr.str.len_bytes() if name == "octet_length"
-                     else value.expr.str.len_chars(), "num")
+                     else value.expr.str.len_chars(), "num", size=value.size + 1)
     if value.kind == "list" and name != "octet_length":
         return Value(value.expr.arr.len() if isinstance(value.dtype, pl.Array)
-                     else value.expr.list.len(), "num")
+                     else value.expr.list.len(), "num", size=value.size + 1)
     if value.kind == "null":
         return Value(pl.lit(None, pl.Int64), "num")
     raise FilterError(f"{name}() takes text{' or a list' * (name != 'octet_length')}, not "
@@ -627,7 +732,7 @@ def _length(parser: _Parser, name: str, args: list) -> Value:
 def _abs(parser: _Parser, name: str, args: list) -> Value:
     _arity(name, args, 1)
     parser.need(args[0], "num", "abs()")
-    return Value(args[0].expr.abs(), "num")
+    return Value(args[0].expr.abs(), "num", size=args[0].size + 1)
 
 
 def _round(parser: _Parser, name: str, args: list) -> Value:
@@ -639,7 +744,7 @@ def _round(parser: _Parser, name: str, args: list) -> Value:
                 and not isinstance(args[1].literal, bool) and 0 <= args[1].literal <= 20):
             raise FilterError("round()'s second argument is a whole number of digits, 0 to 20")
         digits = args[1].literal
-    return Value(args[0].expr.round(digits), "num")
+    return Value(args[0].expr.round(digits), "num", size=sum(a.size for a in args) + 1)
 
 
 def _coalesce(parser: _Parser, name: str, args: list) -> Value:
@@ -649,7 +754,8 @@ def _coalesce(parser: _Parser, name: str, args: list) -> Value:
     if len(kinds) > 1:
         raise FilterError(f"coalesce() takes values of one type, not "
                           f"{' and '.join(sorted(NAMES[k] for k in kinds))}")
-    return Value(_pl().coalesce([a.expr for a in args]), kinds.pop() if kinds else "null")
+    return Value(_pl().coalesce([a.expr for a in args]), kinds.pop() if kinds else "null",
+                 size=sum(a.size for a in args) + 1)
 
 
 def _affix(parser: _Parser, name: str, args: list) -> Value:
@@ -659,7 +765,7 @@ def _affix(parser: _Parser, name: str, args: list) -> Value:
         raise FilterError(f"{name}() takes 'text' in quotes as its second argument")
     method = args[0].expr.str.starts_with if name == "starts_with" else \
         args[0].expr.str.ends_with
-    return Value(method(args[1].literal), "bool")
+    return Value(method(args[1].literal), "bool", size=args[0].size + 2)
 
 
 FUNCTIONS = {
