@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipelines.changes import changed_settings
 from pipelines.errors import JobError, OutputError
 from pipelines.request_key import KeySpec, key_words, request_words
 from pipelines.storage import Location
@@ -180,7 +181,7 @@ def plan_reuse(plan, source: Location) -> ReusePlan:
     result.reused = int((result.at >= 0).sum())
     if result.reused == 0 and result.why_none is None:
         other = settings[0] if ours not in settings and rekey is None else None
-        result.why_none = (f"{', '.join(changed_keys(other, ours))} changed" if other
+        result.why_none = (changed_settings(other, ours) if other
                            else "no row's request is the same")
     return result
 
@@ -226,21 +227,6 @@ def carry_over_on_ray(plan, source: Location, layout, done: set[int]) -> tuple[d
         raise
 
 
-def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """The settings that differ, as dotted keys (``prompt.template``), at most two deep."""
-    out = []
-    for key in sorted(set(old) | set(new), key=str):
-        a, b = old.get(key), new.get(key)
-        if a == b:
-            continue
-        name = f"{prefix}{key}"
-        if isinstance(a, dict) and isinstance(b, dict) and not prefix:
-            out += changed_keys(a, b, f"{name}.")
-        else:
-            out.append(name)
-    return out or ["the settings"]
-
-
 def _unchanged_steps(theirs: dict | None, ours: dict) -> tuple[int | None, str | None]:
     """A job of steps: how many of its first steps the earlier job had the same, all its
     other settings the same too; or why none of its rows can be carried over."""
@@ -248,7 +234,7 @@ def _unchanged_steps(theirs: dict | None, ours: dict) -> tuple[int | None, str |
         return None, "the earlier output is not of a job of steps"
     rest = lambda parts: {k: v for k, v in parts.items() if k != "steps"}  # noqa: E731
     if rest(theirs) != rest(ours):
-        return None, f"{', '.join(changed_keys(rest(theirs), rest(ours)))} changed"
+        return None, changed_settings(rest(theirs), rest(ours))
     k = 0
     while k < min(len(theirs["steps"]), len(ours["steps"])) and \
             theirs["steps"][k] == ours["steps"][k]:

@@ -335,17 +335,24 @@ def test_validate_says_a_model_changed_in_place_reuses_nothing(tiny_copy, tmp_pa
     assert validate_job(load_config(job)).reuse == (
         f"reuse: 8 of 8 rows reusable from {tmp_path / 'snapshot'}; 0 to generate")
     config = json.loads((tiny_copy / "tokenizer_config.json").read_text())
+    weights = tiny_copy / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a copy without -p
+    assert validate_job(load_config(job)).reuse == (
+        f"reuse: 0 of 8 rows reusable from {tmp_path / 'snapshot'}; 8 to generate "
+        "(model files changed: model.safetensors (modification time))")
     (tiny_copy / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
     assert validate_job(load_config(job)).reuse == (
         f"reuse: 0 of 8 rows reusable from {tmp_path / 'snapshot'}; 8 to generate "
-        "(model.files changed)")
+        "(model files changed: chat_template.jinja (content), model.safetensors "
+        "(modification time))")
     assert config  # (the tokenizer's own settings untouched)
 
 
 def test_a_steps_json_schema_file_is_keyed_by_its_content(tiny_copy, tmp_path):
     from pipelines import load_config
     from pipelines.preflight import plan_job
-    from pipelines.reuse import changed_keys
+    from pipelines.changes import changed_keys
 
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
@@ -363,3 +370,64 @@ def test_a_steps_json_schema_file_is_keyed_by_its_content(tiny_copy, tmp_path):
     assert changed_keys(json.loads(before.request_key.parts),
                         json.loads(after.request_key.parts)) == ["steps"]
     assert after.fingerprint["steps"] != before.fingerprint["steps"]  # a resume refuses it
+
+
+# -- a refused resume or retry says what changed; a record from before model.files resumes
+
+def _fingerprint(**changes) -> dict:
+    base = {"sampling": {"max_tokens": 4}, "engine": {"kind": "vllm"},
+            "model": {"name": "m", "max_model_len": 256,
+                      "files": {"model": {"files": {"config.json": "a" * 32,
+                                                    "model.safetensors": [100, 1]}}}},
+            "steps": [{"name": "judge", "prompt": {"template": "x"},
+                       "structured": {"json_schema": {"type": "object"}}}],
+            "adapters": {"de": {"files": {"adapter_model.safetensors": "b" * 32}},
+                         "served": None}}
+    return json.loads(json.dumps({**base, **changes}))
+
+
+def test_a_record_from_before_model_files_matches_on_them():
+    from pipelines.changes import diff_fingerprints, what_changed
+
+    ours = _fingerprint()
+    earlier = _fingerprint()
+    del earlier["model"]["files"]  # written before the fingerprint held the model's files
+    assert diff_fingerprints(earlier, ours) == []
+    earlier["model"]["max_model_len"] = 512  # the rest of the model still counts
+    assert diff_fingerprints(earlier, ours) == ["model"]
+    assert what_changed(earlier, ours) == "model changed"
+    assert diff_fingerprints(ours, earlier) == ["model"]  # (files recorded, none now: changed)
+
+
+def test_what_changed_names_the_files_and_the_step():
+    from pipelines.changes import changed_settings, what_changed
+
+    ours = _fingerprint()
+    copied = _fingerprint()
+    copied["model"]["files"]["model"]["files"]["model.safetensors"] = [100, 2]
+    assert what_changed(copied, ours) == (
+        "model files changed: model.safetensors (modification time)")
+    copied["model"]["files"]["model"]["files"]["config.json"] = "c" * 32
+    copied["model"]["files"]["model"]["files"]["extra.bin"] = [1, 1]
+    copied["sampling"]["max_tokens"] = 8
+    assert what_changed(copied, ours) == (
+        "sampling changed; model files changed: config.json (content), extra.bin (removed), "
+        "model.safetensors (modification time)")
+    assert changed_settings(copied, ours) == (
+        "sampling.max_tokens changed; model files changed: config.json (content), extra.bin "
+        "(removed), model.safetensors (modification time)")
+    hub = _fingerprint(model={"name": "org/m", "files": {"model": {"revision": "1" * 40}}})
+    assert what_changed(hub, _fingerprint(model={"name": "org/m", "files": {
+        "model": {"revision": "2" * 40}}})) == (
+        "model files changed: the cached commit (111111111111 -> 222222222222)")
+    retrained = _fingerprint(adapters={"de": {"files": {"adapter_model.safetensors": "d" * 32}},
+                                       "served": None})
+    assert what_changed(retrained, ours) == (
+        "adapters changed: de: adapter_model.safetensors (content)")
+    before = _fingerprint(adapters={"de": {"config": "e" * 16, "weights bytes": 64},
+                                    "served": None})  # an older record's form: still refused
+    assert what_changed(before, ours) == "adapters changed: de: its files"
+    schema = _fingerprint()
+    schema["steps"][0]["structured"]["json_schema"] = "judge.json"  # (an older record's path)
+    assert what_changed(schema, ours) == "steps[0] (judge) changed: structured.json_schema"
+

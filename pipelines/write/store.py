@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines.changes import diff_fingerprints, what_changed
 from pipelines.errors import OutputError
 from pipelines.storage import Location, hold_lock, scrub_record
 from pipelines.write.counts import read_part
@@ -115,14 +116,14 @@ class OutputStore:
         if self.staging.exists() and record.get("state") in ("running", "committing"):
             # An unfinished run. Of this job: resume it, with or without --overwrite (the
             # command that started it may have had the flag; "the same command resumes").
-            changed = diff_fingerprints(record.get("fingerprint", {}), fingerprint)
-            if not changed:
+            earlier = record.get("fingerprint", {})
+            if not diff_fingerprints(earlier, fingerprint):
                 return self._resume(block_starts, rows_total)
             if not overwrite:
                 raise OutputError(
                     f"{self.staging} holds an unfinished run of a different job "
-                    f"({', '.join(changed)} changed); pass --overwrite to discard it, "
-                    "or choose another output.path")
+                    f"({what_changed(earlier, fingerprint)}); pass --overwrite to discard "
+                    "it, or choose another output.path")
         elif self.path.exists() and not overwrite:
             raise OutputError(f"output.path {str(self.path)!r} already exists; "
                               "pass --overwrite to replace it, or choose another path")
@@ -173,11 +174,10 @@ class OutputStore:
                               "of this job; run it first")
         # a larger budget for the rows that failed is allowed (a thinking model's no_answer
         # rows: --retry-errors --set sampling.max_tokens=N); anything else is another job
-        changed = diff_fingerprints(_budget_apart(record.get("fingerprint", {})),
-                                    _budget_apart(fingerprint))
-        if changed:
+        earlier, ours = _budget_apart(record.get("fingerprint", {})), _budget_apart(fingerprint)
+        if diff_fingerprints(earlier, ours):
             raise OutputError(f"--retry-errors: {self.path} was written by a different job "
-                              f"({', '.join(changed)} changed)")
+                              f"({what_changed(earlier, ours)})")
         self.staging.remove()
         self.staging.mkdir()
         retry: dict[int, list[int]] = {}
@@ -261,8 +261,3 @@ def _budget_apart(fingerprint: dict) -> dict:
     if not isinstance(sampling, dict):
         return fingerprint
     return {**fingerprint, "sampling": {k: v for k, v in sampling.items() if k != "max_tokens"}}
-
-
-def diff_fingerprints(old: dict, new: dict) -> list[str]:
-    """The top-level keys whose values differ, e.g. ['sampling', 'input files']."""
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
