@@ -191,7 +191,7 @@ def plan_job(config: JobConfig) -> JobPlan:
     # as recorded: no credentials, and as JSON keeps it (a resume compares it with the
     # record's: a logit_bias's token ids come back as strings)
     fingerprint = json.loads(json.dumps(scrub_record(_fingerprint(
-        config, plan, max_model_len, structured)), default=str))
+        config, plan, max_model_len, structured, steps)), default=str))
     request_key = None
     if columns.REQUEST_KEY in config.generated_columns():
         step_columns = (step_key_columns(config, set(plan.schema.names))
@@ -695,19 +695,18 @@ def resolve_max_model_len(name: str, max_model_len: int | None = None,
 
 
 def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
-                 structured: StructuredSpec | None) -> dict:
-    """What determines the job's results; a resumed run must match it exactly."""
+                 structured: StructuredSpec | None, steps=None) -> dict:
+    """What determines the job's results; a resumed run must match it exactly. ``steps``:
+    plan_steps' specs of a job of steps (their JSON Schemas read and checked)."""
     task = {} if config.task == "generate" else {"task": config.task}
     return {**task,
         "structured": structured.engine_params() if structured else None,
         "input files": plan.fingerprint_parts(),
         "input": config.input.model_dump(exclude={"path"}),
         "prompt": config.prompt.model_dump() if config.prompt else None,
-        **({"steps": [_step_fingerprint(s) for s in config.steps]} if config.steps else {}),
-        # the model's files too: retrained, or its chat template edited, in place
-        "model": {**config.model.model_dump(), "max_model_len": max_model_len,
-                  "files": model_fingerprint(config.model.name,
-                                             getattr(config.engine, "args", None))},
+        **({"steps": [_step_fingerprint(s, spec) for s, spec in zip(config.steps, steps)]}
+           if config.steps else {}),
+        "model": _model_fingerprint(config, max_model_len),
         "sampling": config.sampling.model_dump(),
         # file_size_mb changes how the output is cut into files, not what it holds; reuse
         # where its rows come from, not what they are
@@ -720,13 +719,25 @@ def _fingerprint(config: JobConfig, plan: InputPlan, max_model_len: int,
     }
 
 
-def _step_fingerprint(step) -> dict:
+def _model_fingerprint(config: JobConfig, max_model_len: int) -> dict:
+    """The model's settings, and its files: retrained, or its chat template edited, in place
+    (pipelines/model_files.py). Not an HTTP engine's: its server holds the model it serves,
+    named by model.name; a Hugging Face cache here says nothing of it."""
+    model = {**config.model.model_dump(), "max_model_len": max_model_len}
+    if config.engine.kind != "http":
+        model["files"] = model_fingerprint(config.model.name,
+                                           getattr(config.engine, "args", None))
+    return model
+
+
+def _step_fingerprint(step, spec) -> dict:
     """A step's settings, its structured.json_schema file by its content, not its path (a
-    schema edited in place asks for other output)."""
+    schema edited in place asks for other output): the schema plan_steps read and checked
+    (``spec``, its StepSpec), not the file read again."""
     dump = step.model_dump()
     schema = (dump.get("structured") or {}).get("json_schema")
-    if isinstance(schema, str):  # (read and checked by plan_steps already)
-        dump["structured"]["json_schema"] = json.loads(Path(schema).read_text(encoding="utf-8"))
+    if isinstance(schema, str):
+        dump["structured"]["json_schema"] = spec.structured.json_schema
     return dump
 
 

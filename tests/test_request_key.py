@@ -431,3 +431,14 @@ def test_what_changed_names_the_files_and_the_step():
     schema["steps"][0]["structured"]["json_schema"] = "judge.json"  # (an older record's path)
     assert what_changed(schema, ours) == "steps[0] (judge) changed: structured.json_schema"
 
+
+def test_an_http_engines_model_is_fingerprinted_by_its_name(tiny_copy, tmp_path):
+    """Its server holds the model; a local copy or cache of that name says nothing of it."""
+    from pipelines import load_config
+    from pipelines.preflight import _model_fingerprint
+
+    job = _job(tmp_path, tiny_copy)
+    assert "files" in _model_fingerprint(load_config(job), 256)
+    job["engine"] = {"kind": "http", "base_url": "http://127.0.0.1:9/v1"}
+    model = _model_fingerprint(load_config(job), 256)
+    assert "files" not in model and model["name"] == str(tiny_copy)
