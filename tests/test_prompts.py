@@ -109,3 +109,56 @@ def test_pre_flights_template_only_renders_as_the_tokenizer_does(tiny_model, tmp
         real = load_tokenizer(model).apply_chat_template(messages, tokenize=False,
                                                          add_generation_prompt=True, **kwargs)
         assert TemplateOnly(model).apply_chat_template(messages, **kwargs) == real
+
+
+def _tokenizer_files(folder, config: dict, special_map: dict | None = None):
+    """A model folder holding only the json files TemplateOnly reads."""
+    import json
+
+    folder.mkdir(parents=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if special_map is not None:
+        (folder / "special_tokens_map.json").write_text(json.dumps(special_map))
+    return str(folder)
+
+
+BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ bos_token + m['content'] }}"
+                "{% endfor %}")
+
+
+def test_template_only_reads_special_tokens_map_too(tmp_path):
+    """transformers hands a chat template special_tokens_map.json's tokens too (a string, or
+    {"content": ...}), over tokenizer_config.json's where the config has no
+    added_tokens_decoder (an older layout)."""
+    from udfs.chat_content import TemplateOnly
+
+    older = _tokenizer_files(tmp_path / "older", {"chat_template": BOS_TEMPLATE,
+                                                  "eos_token": "</old>"},
+                             {"bos_token": {"content": "<s>", "lstrip": False},
+                              "eos_token": "</s>", "additional_special_tokens": ["<x>"]})
+    template = TemplateOnly(older)
+    assert template.special == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert template.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s><s>hi"
+    newer = _tokenizer_files(tmp_path / "newer", {
+        "chat_template": BOS_TEMPLATE, "bos_token": "<|begin|>",
+        "added_tokens_decoder": {"0": {"content": "<|begin|>", "special": True}}},
+        {"bos_token": "<s>", "eos_token": "</s>"})
+    assert TemplateOnly(newer).special == {"bos_token": "<|begin|>", "eos_token": "</s>"}
+
+
+def test_rows_failing_on_an_undefined_name_are_not_refused_in_pre_flight(tmp_path):
+    """A chat template reading a name pre-flight's environment lacks (a tokenizer class's
+    default bos_token, known to transformers alone) fails every row here; the real tokenizer
+    may render them all, so pre-flight refuses no job for it. A template's own error, alike on
+    every row, is still refused."""
+    from udfs.prompts import rows_fail_alike
+
+    table = pa.table({"sku": ["a", "b", "c"], "title": ["x", "y", "z"]})
+    bare = _tokenizer_files(tmp_path / "bare", {"chat_template": BOS_TEMPLATE})
+    spec = RenderSpec(template="{{ title }}", tokenizer=bare, max_model_len=512, max_tokens=8)
+    assert rows_fail_alike(spec, table, "sku") is None
+    picky = _tokenizer_files(tmp_path / "picky", {"chat_template": (
+        "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}")})
+    spec = RenderSpec(template="{{ title }}", tokenizer=picky, max_model_len=512, max_tokens=8)
+    assert rows_fail_alike(spec, table, "sku").startswith(
+        "row 'a': the model's chat template failed on this row: ")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import Counter, deque
 from pathlib import Path
 
@@ -238,19 +239,18 @@ class TemplateOnly:
     torch. Rendered in the Jinja environment transformers' ``apply_chat_template`` renders in
     (``chat_template_utils._compile_jinja_template``: its options, filters and globals), the
     template found where transformers finds it (chat_template.jinja before
-    tokenizer_config.json's), with the special tokens it hands a template. ``chat_template``
-    is None where there is none to find here."""
+    tokenizer_config.json's), with the special tokens it hands a template (``special_tokens``).
+    ``chat_template`` is None where there is none to find here. ``missing_names``: the names
+    a render found undefined (a tokenizer class's default special token, say, which only
+    transformers knows): pre-flight refuses no job for those (udfs/prompts.py:
+    rows_fail_alike)."""
 
     def __init__(self, model: str):
         folder = Path(model)
         settings = _json(folder / "tokenizer_config.json")
         self.chat_template = _template_in(folder, settings)
-        self.special = {}
-        for name in SPECIAL_TOKENS:
-            value = settings.get(name)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                self.special[name] = value
+        self.special = special_tokens(folder, settings)
+        self.missing_names: set[str] = set()
         self._compiled = None
 
     def get_chat_template(self) -> str | None:
@@ -258,11 +258,40 @@ class TemplateOnly:
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
                             add_generation_prompt: bool = True, **kwargs) -> str:
+        import jinja2
+
         if self._compiled is None:
             self._compiled = _transformers_env().from_string(self.chat_template)
-        return self._compiled.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt,
-                                     **{**self.special, **kwargs})
+        try:
+            return self._compiled.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **{**self.special, **kwargs})
+        except jinja2.exceptions.UndefinedError as exc:
+            # jinja's words for a name not defined at all ("'bos_token' is undefined"; a
+            # missing attribute or key is "... has no attribute ...": the row's)
+            name = re.fullmatch(r"'(\w+)' is undefined", str(exc))
+            if name:
+                self.missing_names.add(name.group(1))
+            raise
+
+
+def special_tokens(folder: Path, settings: dict) -> dict[str, str]:
+    """The named special tokens transformers hands a chat template (``special_tokens_map``):
+    tokenizer_config.json's, and special_tokens_map.json's (a value a string or {"content":
+    ...}), which transformers reads over them where the config has no
+    ``added_tokens_decoder`` (an older layout; with one, 5.x reads the config's alone, and
+    the map here only names what the config does not)."""
+    found: dict[str, str] = {}
+    older = _json(folder / "special_tokens_map.json")
+    sources = ([older, settings] if "added_tokens_decoder" in settings
+               else [settings, older])  # (the later source wins)
+    for source in sources:
+        for name in SPECIAL_TOKENS:
+            value = source.get(name)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                found[name] = value
+    return found
 
 
 def _transformers_env():
