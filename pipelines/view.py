@@ -184,7 +184,11 @@ class JobView:
             values = {v: row.get(v) for v in renderer.variables}
             return {"prompt": renderer.render_text(renderer.fill_nulls(values))}
         except Exception as exc:  # noqa: BLE001 - the row's own error says why it has none
-            return {"prompt": None, "error": _one_line(exc)}
+            # its text may quote the server's paths or another part of the template: to the
+            # log; the caller (in serve, a tenant) is told the kind of error only
+            log.warning("view %s: a row's prompt: %s", self.store.path, _one_line(exc))
+            return {"prompt": None,
+                    "error": f"the row's prompt could not be rendered: {type(exc).__name__}"}
 
     def _render(self, record: dict):
         if self._renderer is None:
