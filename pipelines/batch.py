@@ -40,7 +40,7 @@ from pipelines import batch_anthropic as anthropic
 from pipelines import batch_embeddings as embeddings
 from pipelines import batch_responses as responses
 from pipelines.config import JobConfig, apply_overrides, load_config, read_yaml
-from pipelines.errors import ConfigError, InputError, OutputError
+from pipelines.errors import ConfigError, InputError, OutputError, one_line
 from pipelines.storage import Location, scrub_record
 from pipelines.write import list_parts, write_atomically
 from udfs import columns
@@ -240,7 +240,7 @@ def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int,
         reject.custom_id = custom_id if isinstance(custom_id, str) else None
         raise
     except Exception as exc:  # noqa: BLE001 - a value no check foresaw: this line's error
-        reject = _Reject("invalid_request", f"cannot be read: {one_line(exc)}")
+        reject = _Reject("invalid_request", f"cannot be read: {one_line(exc, 200, typed=True)}")
         reject.custom_id = custom_id if isinstance(custom_id, str) else None
         raise reject from None
 
@@ -255,16 +255,7 @@ def load_line(raw: str | bytes):
     except RecursionError:
         raise _Reject("invalid_json", "not valid JSON: nested too deeply") from None
     except ValueError as exc:  # Python's limit on an integer's digits
-        raise _Reject("invalid_json", f"not valid JSON: {one_line(exc)}") from None
-
-
-def one_line(exc: BaseException, most: int = 200) -> str:
-    """An exception as one short line: its type where its text alone says little."""
-    text = " ".join(str(exc).split()).split("; use sys.set_int_max_str_digits")[0]
-    text = text if text else type(exc).__name__
-    if isinstance(exc, (TypeError, AttributeError, KeyError, IndexError, RecursionError)):
-        text = f"{type(exc).__name__}: {text}"
-    return text[:most]
+        raise _Reject("invalid_json", f"not valid JSON: {one_line(exc, 200, typed=True)}") from None
 
 
 def _check_text(row: dict) -> None:
@@ -396,7 +387,7 @@ def check_json_schema(schema, where: str) -> dict:
         raise _Reject("invalid_body", f"{where}: at {at}: {exc.message}"[:300]) from None
     except Exception as exc:  # noqa: BLE001 - a schema the checker itself cannot walk
         raise _Reject("invalid_body", f"{where}: not a JSON Schema the checker can read "
-                      f"({one_line(exc, 120)})") from None
+                      f"({one_line(exc, 120, typed=True)})") from None
     return schema
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.errors import JobError
+from pipelines.errors import JobError, one_line
 
 EXIT_JOB_ERROR = 2
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipelines.storage import scrub
 
         # one line, and no credentials whatever shape a URL holding them took
-        print(f"overnight: error: {scrub(' '.join(str(exc).split()))}", file=sys.stderr)
+        print(f"overnight: error: {scrub(one_line(exc, None))}", file=sys.stderr)
         return EXIT_JOB_ERROR
     except KeyboardInterrupt:
         print("\novernight: interrupted; the parts written are kept: run the same command "

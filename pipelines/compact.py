@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.errors import OutputError
+from pipelines.errors import OutputError, one_line
 from pipelines.read.schema import _conform  # a block given the input's schema: the same cast
 from pipelines.storage import Location
 from pipelines.write import (
@@ -145,7 +145,7 @@ def _read_staged(path: Location, columns: list[str] | None = None,
     try:
         return read_part(path, columns=columns, if_present=if_present)
     except (OSError, pa.ArrowException) as exc:
-        raise OutputError(f"{path}: this part cannot be read ({' '.join(str(exc).split())[:200]}"
+        raise OutputError(f"{path}: this part cannot be read ({one_line(exc, 200)}"
                           "); remove it and run the same command again: its rows run "
                           "again") from None
 

@@ -63,3 +63,18 @@ def _chain(exc: BaseException):
         yield exc
         cause = getattr(exc, "cause", None)
         exc = cause if isinstance(cause, BaseException) else exc.__cause__
+
+
+def one_line(exc: BaseException, limit: int | None = 300, typed: bool = False) -> str:
+    """An exception's text as one line (each run of whitespace one space), at most ``limit``
+    characters (None: all of it); its type's name where it has no text. ``typed``: its type
+    before a text that alone says little (a KeyError's is the key), and without Python's
+    advice on an integer's digits (a Batch line's error)."""
+    text = " ".join(str(exc).split())
+    if typed:
+        text = text.split("; use sys.set_int_max_str_digits")[0]
+    text = text or type(exc).__name__
+    if typed and isinstance(exc, (TypeError, AttributeError, KeyError, IndexError,
+                                  RecursionError)):
+        text = f"{type(exc).__name__}: {text}"
+    return text if limit is None else text[:limit]

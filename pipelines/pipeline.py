@@ -13,7 +13,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 
 from pipelines.config import JobConfig
-from pipelines.errors import JobError, OutputError, StageError, root_cause
+from pipelines.errors import JobError, OutputError, StageError, one_line, root_cause
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.progress import Progress
 from pipelines.read import blocks_at_once, read_dataset
@@ -255,7 +255,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
             todo = _rows_to_run(plan, done, only_rows)
     except OSError as exc:  # permissions, a full disk, an object store refusing
         raise OutputError(f"output.path {str(store.path)!r}: cannot write there: "
-                          f"{' '.join(str(exc).split())[:300]}") from None
+                          f"{one_line(exc, 300)}") from None
     layout = PartLayout(
         staging=store.staging,
         source_columns=tuple(plan.input.schema.names),
@@ -349,7 +349,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         store.commit(record)
     except OSError as exc:  # the staged parts stay; the same command commits them
         raise OutputError(f"output.path {str(store.path)!r}: cannot commit the output: "
-                          f"{' '.join(str(exc).split())[:300]} (the parts written are kept: "
+                          f"{one_line(exc, 300)} (the parts written are kept: "
                           "run the same command again)") from None
     with stage("writing the run report (the output is committed)"):
         summary.report = build_report(store.path, record, times=times, samples=samples,

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from pipelines.config import JobConfig
-from pipelines.errors import ConfigError, JobError
+from pipelines.errors import ConfigError, JobError, one_line
 from udfs import columns
 from udfs.pooler import PoolingSpec
 
@@ -108,4 +108,4 @@ def _hf_config(config: JobConfig):
                                           trust_remote_code=config.model.trust_remote_code)
     except Exception as exc:  # transformers raises OSError, ValueError, HF errors...
         raise JobError(f"model.name {config.model.name!r}: cannot read its config: "
-                       f"{' '.join(str(exc).split())[:300]}") from None
+                       f"{one_line(exc, 300)}") from None

@@ -23,7 +23,7 @@ from pipelines.images import check_image_columns, check_model_takes_images, imag
     max_images
 from pipelines.request_key import KeySpec, key_columns, key_parts, step_key_columns
 from pipelines.config import JobConfig
-from pipelines.errors import ConfigError, InputError, JobError
+from pipelines.errors import ConfigError, InputError, JobError, one_line
 from pipelines.read import (InputPlan, earlier_job, glob_regex, read_block, read_unit,
                             plan_block_rows, read_units, renamed, resolve_files,
                             scan_input)
@@ -79,7 +79,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         output = Location.of(config.output.path)
     except ValueError as exc:
         raise ConfigError(f"output.path {redact(config.output.path)!r}: "
-                          f"{' '.join(str(exc).split())}") from None
+                          f"{one_line(exc, None)}") from None
     if not output.local and "/" not in output.path.strip("/"):
         # the staging directory and the record sit beside the output: in the same bucket
         raise ConfigError(f"output.path {str(output)!r}: name a folder inside the bucket, "
@@ -308,7 +308,7 @@ def _http_engine_options(config: JobConfig) -> dict:
                           else "")) from None
     except (httpx.HTTPError, ValueError) as exc:
         raise JobError(f"engine.base_url {shown}: cannot reach the server "
-                       f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
+                       f"({type(exc).__name__}: {one_line(exc, 160)})") from None
     if served not in models:
         raise JobError(f"engine.model {served!r} is not served at {shown}; it "
                        f"serves: {', '.join(map(str, models)) or 'nothing'}")
@@ -389,7 +389,7 @@ def _check_template_renders(config: JobConfig, plan: InputPlan, variables: list[
             continue
         except Exception as exc:  # noqa: BLE001 - what the row would get as its error
             tried += 1
-            first = first or (keys[i], " ".join(str(exc).split())[:200])
+            first = first or (keys[i], one_line(exc, 200))
         if tried >= TEMPLATE_TRIALS:
             break
     if tried >= 3:
@@ -527,7 +527,7 @@ def _resolve_model(config: JobConfig) -> int:
             tokenizer = load_tokenizer(name, remote_code)
         except Exception as exc:  # transformers raises OSError, ValueError, HF errors...
             raise JobError(f"model.name {name!r}: cannot load its tokenizer: "
-                           f"{' '.join(str(exc).split())[:300]}") from None
+                           f"{one_line(exc, 300)}") from None
     chat = local.chat_template if local else bool(getattr(tokenizer, "chat_template", None))
     if any(p.messages_column for p in config.prompts()) and not chat:
         raise ConfigError(f"prompt.messages_column needs a chat model; {name!r} has no "
@@ -662,7 +662,7 @@ def _local_model(name: str) -> _LocalModel | None:
         Tokenizer.from_file(str(tokenizer_file))
     except Exception as exc:  # noqa: BLE001 - the library's own errors: the file is bad
         raise JobError(f"model.name {name!r}: cannot load its tokenizer: "
-                       f"{' '.join(str(exc).split())[:300]}") from None
+                       f"{one_line(exc, 300)}") from None
     # where transformers finds a chat template: in tokenizer_config.json, or a file beside it
     chat = bool(settings.get("chat_template")) or any(
         (folder / f).is_file() for f in ("chat_template.jinja", "chat_template.json"))
@@ -687,7 +687,7 @@ def resolve_max_model_len(name: str, max_model_len: int | None = None,
             tokenizer = load_tokenizer(name, trust_remote_code)
         except Exception as exc:
             raise JobError(f"model {name!r}: cannot load it: "
-                           f"{' '.join(str(exc).split())[:300]}") from None
+                           f"{one_line(exc, 300)}") from None
     length = length or getattr(tokenizer, "model_max_length", None)
     if not length or length > 10_000_000:
         raise ConfigError(f"model.max_model_len: cannot tell {name!r}'s context length; set it")

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from pipelines.config import JobConfig
-from pipelines.errors import JobError
+from pipelines.errors import JobError, one_line
 
 # Light stages (read, parse, write) take a fraction of a CPU, so on a small machine they never
 # starve the engine of the cores it needs, nor deadlock waiting for them.
@@ -116,7 +116,7 @@ def ray_session(address: str | None = None, verbose: bool = False):
             "; if the cluster uses token authentication (the default of `ray start`), "
             "export RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or ~/.ray/auth_token)")
         raise JobError(f"resources.address {address!r}: cannot connect to a Ray cluster "
-                       f"there ({' '.join(str(exc).split())[:200]}){hint}") from None
+                       f"there ({one_line(exc, 200)}){hint}") from None
     if not verbose:
         _mute_ray_error_feed()
     try:

@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.changes import changed_settings
-from pipelines.errors import JobError, OutputError
+from pipelines.errors import JobError, OutputError, one_line
 from pipelines.request_key import KeySpec, key_words, request_words
 from pipelines.storage import Location
 from pipelines.write.parts import list_parts
@@ -269,7 +269,7 @@ def _footer(file: Location) -> _Footer:
             schema, rows = meta.schema_arrow, meta.metadata.num_rows
     except (pa.ArrowInvalid, OSError) as exc:
         raise OutputError(f"output.reuse_from {str(file)!r}: not a Parquet file "
-                          f"({' '.join(str(exc).split())[:160]})") from None
+                          f"({one_line(exc, 160)})") from None
     try:
         job = json.loads((schema.metadata or {}).get(columns.JOB_METADATA, b"{}"))
     except ValueError:

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from pipelines.adapters import adapter_sampling
 from pipelines.config import JobConfig, StepConfig
-from pipelines.errors import ConfigError, InputError
+from pipelines.errors import ConfigError, InputError, one_line
 from pipelines.images import image_spec
 from udfs import columns, to_polars
 from udfs.predictor import SamplingSpec
@@ -119,7 +119,7 @@ def _check_where(expression: str, fields: dict, where: str) -> list[str]:
         names = expr.meta.root_names()
     except Exception as exc:  # polars' SQL parser: SQLSyntaxError, SQLInterfaceError...
         raise ConfigError(f"{where}: where {expression!r} does not parse: "
-                          f"{_one_line(exc)}") from None
+                          f"{one_line(exc)}") from None
     missing = [n for n in names if n not in fields]
     if missing:
         raise InputError(f"{where}: where uses {missing[0]!r}, which is not a column of the "
@@ -136,7 +136,7 @@ def _check_where(expression: str, fields: dict, where: str) -> list[str]:
     except (Exception, pl.exceptions.PanicException) as exc:  # a type error: "judge > 4"
         # on a struct, say
         raise ConfigError(f"{where}: where {expression!r} cannot be evaluated on these "
-                          f"columns: {_one_line(exc)}") from None
+                          f"columns: {one_line(exc)}") from None
     if kind is not None and kind != pl.Boolean:
         raise ConfigError(f"{where}: where {expression!r} is a {kind}, not a condition "
                           "(true or false for each row)")
@@ -161,7 +161,3 @@ def _try_where(expression: str, sample: pa.Table, where: str, id_column: str | N
         raise ConfigError(f"{where}: where {expression!r} cannot be evaluated on any of the "
                           f"{rows.num_rows} rows tried (the first block's), e.g. row "
                           f"{first!r}: {failed[0]}")
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from pipelines.errors import one_line
 from udfs.redact import redact, scrub, scrub_record  # noqa: F401  (re-exported)
 
 
@@ -245,5 +246,5 @@ def _fsspec(uri: str) -> tuple[pafs.FileSystem, str]:
     try:
         fs, path = fsspec.core.url_to_fs(uri)
     except (ImportError, ValueError) as exc:
-        raise ValueError(f"{redact(uri)}: {' '.join(str(exc).split())}") from None
+        raise ValueError(f"{redact(uri)}: {one_line(exc, None)}") from None
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path

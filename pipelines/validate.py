@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pyarrow.compute as pc
 
 from pipelines.config import JobConfig
+from pipelines.errors import one_line
 from pipelines.preflight import JobPlan, plan_job
 from pipelines.read import read_block
 from pipelines.storage import redact
@@ -124,7 +125,7 @@ def validate_job(config: JobConfig) -> ValidationReport:
                                                                renderer.images_count(found)))
                 except Exception as exc:  # noqa: BLE001 - rendered once: a row's, not ours
                     report.samples.append(f"(this row does not render again: "
-                                          f"{' '.join(str(exc).split())[:200]})")
+                                          f"{one_line(exc, 200)})")
     report.reuse = _reuse_line(plan)
     return report
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from starlette.requests import Request  # (at the top: FastAPI reads the routes' annotations)
 
-from pipelines.errors import ConfigError, OutputError
+from pipelines.errors import ConfigError, OutputError, one_line
 from pipelines.filters import FilterError
 from pipelines.storage import Location
 from pipelines.write import OutputStore, list_parts, summarize_part
@@ -142,7 +142,7 @@ class JobView:
         try:
             return query()
         except Exception as exc:  # noqa: BLE001 - a filter that fails on the data, a part gone
-            log.warning("view %s: %s", self.store.path, _one_line(exc))
+            log.warning("view %s: %s", self.store.path, one_line(exc))
             raise _unevaluable(where, exc) from None
 
     def rows(self, offset: int = 0, limit: int = PAGE_ROWS, error_kind: str | None = None,
@@ -186,7 +186,7 @@ class JobView:
         except Exception as exc:  # noqa: BLE001 - the row's own error says why it has none
             # its text may quote the server's paths or another part of the template: to the
             # log; the caller (in serve, a tenant) is told the kind of error only
-            log.warning("view %s: a row's prompt: %s", self.store.path, _one_line(exc))
+            log.warning("view %s: a row's prompt: %s", self.store.path, one_line(exc))
             return {"prompt": None,
                     "error": f"the row's prompt could not be rendered: {type(exc).__name__}"}
 
@@ -351,7 +351,3 @@ def _unevaluable(where: str | None, exc: BaseException) -> ConfigError:
     else:
         why = "polars could not evaluate it on the job's rows"
     return FilterError(f"where {_quoted(where)} cannot be evaluated on these rows: {why}")
-
-
-def _one_line(exc: BaseException) -> str:
-    return (" ".join(str(exc).split()) or type(exc).__name__)[:300]

@@ -14,7 +14,7 @@ from pathlib import PurePosixPath
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.errors import InputError
+from pipelines.errors import InputError, one_line
 from pipelines.storage import Location, redact
 from udfs import columns
 
@@ -29,7 +29,7 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[list[Location], str]:
     try:
         where = Location.of(path)
     except (OSError, ValueError) as exc:
-        raise InputError(f"input.path {redact(path)!r}: {' '.join(str(exc).split())}") from None
+        raise InputError(f"input.path {redact(path)!r}: {one_line(exc, None)}") from None
     shown = str(where)
     try:
         if any(ch in where.path for ch in "*?["):
@@ -46,7 +46,7 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[list[Location], str]:
         else:
             raise InputError(f"input.path {shown!r}: no such file or directory")
     except OSError as exc:  # an object store refusing: credentials, bucket, network
-        raise InputError(f"input.path {shown!r}: {' '.join(str(exc).split())[:300]}") from None
+        raise InputError(f"input.path {shown!r}: {one_line(exc, 300)}") from None
 
     if fmt == "auto":
         kinds = {FORMATS.get(_suffix(f)) for f in files}

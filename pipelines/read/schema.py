@@ -12,7 +12,7 @@ import json
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.errors import InputError
+from pipelines.errors import InputError, one_line
 from pipelines.read.files import _parquet
 from pipelines.storage import Location
 
@@ -44,7 +44,7 @@ def _unify(schemas: list[tuple[Location, pa.Schema]], fmt: str,
                          and f.type != unified.field(f.name).type), None)
             if name is None:
                 raise InputError(f"{file}: its columns do not match the other files: "
-                                 f"{' '.join(str(exc).split())}") from None
+                                 f"{one_line(exc, None)}") from None
             other = next(f for f, sch in plain if name in sch.names
                          and sch.field(name).type != schema.field(name).type)
             raise InputError(f"column {name!r} is {schema.field(name).type} in {file} but "
@@ -161,7 +161,7 @@ def _merge_schema(schema, rows, file, lines, big_ints):
         return pa.unify_schemas([schema, block_schema], promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise InputError(f"{file} (lines up to {lines[-1]}): values of mixed types: "
-                         f"{' '.join(str(exc).split())}") from None
+                         f"{one_line(exc, None)}") from None
 
 
 def _note_big_ints(values: pa.StructArray, file, lines: list[int], big_ints: dict) -> None:
@@ -198,7 +198,7 @@ def _rows_array(rows: list[dict], file, lines: list[int]) -> pa.StructArray:
                 except (pa.ArrowInvalid, pa.ArrowTypeError):
                     pass
         raise InputError(f"{file} (lines {lines[0]}-{lines[-1]}): values of mixed types: "
-                         f"{' '.join(str(exc).split())}") from None
+                         f"{one_line(exc, None)}") from None
 
 
 def _short(value) -> str:

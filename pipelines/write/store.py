@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.changes import diff_fingerprints, what_changed
-from pipelines.errors import OutputError
+from pipelines.errors import OutputError, one_line
 from pipelines.storage import Location, hold_lock, scrub_record
 from pipelines.write.counts import read_part
 from pipelines.write.parts import (_RETRY_OLD, Part, covered_blocks, input_offsets, list_parts,
@@ -62,7 +62,7 @@ class OutputStore:
             handle, holder = hold_lock(self.path.sibling(".overnight.lock").path)
         except OSError as exc:  # a folder this user cannot write
             raise OutputError(f"output.path {str(self.path)!r}: cannot write there: "
-                              f"{' '.join(str(exc).split())[:300]}") from None
+                              f"{one_line(exc, 300)}") from None
         if handle is None:
             raise OutputError(f"output.path {str(self.path)!r} is being written by another "
                               f"overnight run (pid {holder}); wait for it to end, or choose "
