@@ -237,11 +237,15 @@ def secure_headers(response):
     return response
 
 
-def refused(exc: ConfigError):
-    """A filter's (or a page's) mistake as ``overnight view`` answers it: 400, one line."""
+def refused(exc: ConfigError, body=None):
+    """A filter's (or a page's) mistake, a 400 of one line: as ``overnight view`` answers it
+    (``{"error": line}``), or in ``body(line, param)``'s shape (serve: the API's error
+    object), ``param`` "where" for a filter."""
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": str(exc)}, 400)
+    if body is None:
+        return JSONResponse({"error": str(exc)}, 400)
+    return JSONResponse(body(str(exc), "where" if isinstance(exc, FilterError) else None), 400)
 
 
 def job_routes(app, prefix: str, view_of, shown=lambda status, request: status,

@@ -15,6 +15,7 @@ shape a 400, and a server bug a 500 in the API's error object, its text in the l
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -32,8 +34,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from pipelines import view
-from pipelines.errors import ConfigError
-from pipelines.filters import FilterError
 from serve import anthropic
 from serve.runner import INPUT, RESULTS, Runner
 from serve.store import Store, new_id
@@ -133,63 +133,7 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
                max_upload_bytes: int, window_s: float = WINDOW) -> FastAPI:
     """``owners``: the accepted keys as the store records them (``Store.owner_of``)."""
     app = FastAPI(title="overnight serve", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return _answer(exc)
-
-    def body_limit(method: str, path: str) -> int:
-        if method == "POST" and path == "/v1/files":
-            return max_upload_bytes + UPLOAD_SLACK
-        if method == "POST" and path == anthropic.PREFIX:
-            return anthropic.MAX_BYTES
-        return JSON_LIMIT
-
-    def too_large(path: str, limit: int) -> JSONResponse:
-        if path == "/v1/files":
-            return _answer(_too_large(max_upload_bytes))
-        return problem(path, 413, f"Request exceeds the maximum size of {limit} bytes.",
-                       code="request_too_large", anthropic_kind="request_too_large")
-
-    @app.exception_handler(RecursionError)
-    async def _too_deep(request: Request, exc: RecursionError):
-        # JSON nested thousands deep: Python's parser gives up (either API's create call)
-        log.warning("%s %s: %s", request.method, request.url.path, type(exc).__name__)
-        return problem(request.url.path, 400, "The request body is nested too deeply to be "
-                       "read (JSON nested more than a few hundred levels).",
-                       code="invalid_json")
-
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, exc: ClientDisconnect):
-        return Response(status_code=400)  # the client left mid-body: no one reads this
-
-    @app.exception_handler(Exception)
-    async def _server_error(request: Request, exc: Exception):
-        # a bug: the caller gets the API's error object, never the exception's text (the
-        # traceback goes to the server's log: Starlette re-raises it to uvicorn)
-        return problem(request.url.path, 500, "The server had an error while processing "
-                       "your request; its log says why.", kind="server_error",
-                       anthropic_kind="api_error")
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException):
-        message = ("Invalid URL " f"({request.method} {request.url.path})"
-                   if exc.status_code in (404, 405) else str(exc.detail))
-        if anthropic.is_anthropic_path(request.url.path):
-            return anthropic.error_response(exc.status_code, "not_found_error" if
-                                            exc.status_code == 404 else "invalid_request_error",
-                                            message)
-        return JSONResponse(error_body(message), exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_params(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        param = str(first["loc"][-1]) if first.get("loc") else None
-        if anthropic.is_anthropic_path(request.url.path):
-            return anthropic.error_response(400, "invalid_request_error",
-                                            f"{param}: {first['msg']}")
-        return JSONResponse(error_body(f"Invalid value for '{param}': {first['msg']}.",
-                                       param=param, code="invalid_value"), 400)
+    _add_error_handlers(app)
 
     @app.middleware("http")
     async def _authenticate(request: Request, call_next):
@@ -338,11 +282,9 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
                 runner.model, batch["model"]) for line in status["report"]]
         return status
 
-    def refused(exc: ConfigError) -> JSONResponse:  # the caller's filter, in a line
-        return JSONResponse(error_body(str(exc), param="where" if isinstance(
-            exc, FilterError) else None, code="invalid_value"), 400)
-
-    view.job_routes(app, "/v1/batches/{batch_id}/view", batch_view, shown, refused)
+    # the caller's filter, in a line: in the API's error object
+    view.job_routes(app, "/v1/batches/{batch_id}/view", batch_view, shown,
+                    functools.partial(view.refused, body=_invalid_value))
     anthropic.add_routes(app, store, runner, window_s=window_s)
 
     @app.post("/v1/batches/{batch_id}/cancel")
@@ -359,8 +301,86 @@ def create_app(store: Store, runner: Runner, *, owners: set[str],
         runner.wake()
         return moved
 
-    app.add_middleware(BodyLimit, limit_of=body_limit, refuse=too_large)  # (the outermost)
+    limits = BodyLimits(max_upload_bytes)
+    app.add_middleware(BodyLimit, limit_of=limits.limit_of, refuse=limits.refuse)  # outermost
     return app
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """BodyLimit's configuration for serve's routes: an upload's limit (``max_upload_bytes``
+    and its multipart envelope), a message batch's, every other body's (JSON_LIMIT); and the
+    413 past it, in the error object of the API the path belongs to."""
+
+    max_upload_bytes: int
+
+    def limit_of(self, method: str, path: str) -> int:
+        if method == "POST" and path == "/v1/files":
+            return self.max_upload_bytes + UPLOAD_SLACK
+        if method == "POST" and path == anthropic.PREFIX:
+            return anthropic.MAX_BYTES
+        return JSON_LIMIT
+
+    def refuse(self, path: str, limit: int) -> JSONResponse:
+        if path == "/v1/files":
+            return _answer(_too_large(self.max_upload_bytes))
+        return problem(path, 413, f"Request exceeds the maximum size of {limit} bytes.",
+                       code="request_too_large", anthropic_kind="request_too_large")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure answered in the API's error object (Anthropic's on its routes): an
+    APIError as it says, JSON nested too deep a 400, a bad parameter a 400 naming it, an
+    unknown route a 404, a bug a 500 without its text (the traceback: the server's log)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _answer(exc)
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError):
+        # JSON nested thousands deep: Python's parser gives up (either API's create call)
+        log.warning("%s %s: %s", request.method, request.url.path, type(exc).__name__)
+        return problem(request.url.path, 400, "The request body is nested too deeply to be "
+                       "read (JSON nested more than a few hundred levels).",
+                       code="invalid_json")
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):
+        return Response(status_code=400)  # the client left mid-body: no one reads this
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception):
+        # a bug: the caller gets the API's error object, never the exception's text (the
+        # traceback goes to the server's log: Starlette re-raises it to uvicorn)
+        return problem(request.url.path, 500, "The server had an error while processing "
+                       "your request; its log says why.", kind="server_error",
+                       anthropic_kind="api_error")
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        message = ("Invalid URL " f"({request.method} {request.url.path})"
+                   if exc.status_code in (404, 405) else str(exc.detail))
+        if anthropic.is_anthropic_path(request.url.path):
+            return anthropic.error_response(exc.status_code, "not_found_error" if
+                                            exc.status_code == 404 else "invalid_request_error",
+                                            message)
+        return JSONResponse(error_body(message), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_params(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        param = str(first["loc"][-1]) if first.get("loc") else None
+        if anthropic.is_anthropic_path(request.url.path):
+            return anthropic.error_response(400, "invalid_request_error",
+                                            f"{param}: {first['msg']}")
+        return JSONResponse(error_body(f"Invalid value for '{param}': {first['msg']}.",
+                                       param=param, code="invalid_value"), 400)
+
+
+def _invalid_value(message: str, param: str | None) -> dict:
+    """A caller's filter refused (pipelines/view.py: refused), as the API's error object."""
+    return error_body(message, param=param, code="invalid_value")
 
 
 class ViewCache:

@@ -29,3 +29,21 @@ def test_a_prompt_that_cannot_be_rendered_is_a_fixed_line(tiny_model, tmp_path, 
     assert answer["error"] == "the row's prompt could not be rendered: UndefinedError"
     assert "/srv/secret/path" not in answer["error"] and "nothing_here" not in answer["error"]
     assert "a row's prompt" in caplog.text  # the detail: in the server's log
+
+
+def test_a_refused_filter_is_one_line_in_each_servers_shape():
+    """pipelines/view.py: refused, overnight view's {"error": line} and, given serve's body,
+    the API's error object naming the where parameter."""
+    from pipelines.errors import ConfigError
+    from pipelines.filters import FilterError
+    from pipelines.view import refused
+    from serve.app import _invalid_value
+
+    assert json.loads(refused(FilterError("where 'x': no column")).body) == {
+        "error": "where 'x': no column"}
+    answer = refused(FilterError("where 'x': no column"), body=_invalid_value)
+    assert answer.status_code == 400 and json.loads(answer.body) == {"error": {
+        "message": "where 'x': no column", "type": "invalid_request_error", "param": "where",
+        "code": "invalid_value"}}
+    assert json.loads(refused(ConfigError("try again"), body=_invalid_value).body)[
+        "error"]["param"] is None
