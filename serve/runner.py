@@ -329,22 +329,21 @@ class Runner:
         config, env = self.resident if warm else (self.config, {})
         # a message batch (serve/anthropic.py): one results file, Anthropic's results
         errors = _errors_file(batch, folder)
-        files = ["--format", "anthropic"] if errors is None else [
-            "-e", str(errors), "--format", "openai"]
-        argv = ["batch", str(folder / INPUT), "-o", str(folder / RESULTS), *files,
-                "--model", self.model, "--served-model-name", self.served_model, "--quiet"]
-        if config is not None:
-            argv += ["--config", str(config)]
-        for override in self.overrides:
-            argv += ["--set", override]
+        # `overnight batch`'s arguments: pipelines.batch.run_batch's
+        arguments = {"requests": str(folder / INPUT), "results": str(folder / RESULTS),
+                     "errors": None if errors is None else str(errors),
+                     "format": "anthropic" if errors is None else "openai",
+                     "model": self.model, "served_model_name": self.served_model,
+                     "quiet": True, "config": None if config is None else str(config),
+                     "overrides": list(self.overrides)}
         with open(folder / "log.txt", "ab") as log_file:
             log_file.write(_RUN_MARK.encode())  # where this run's own error would start
             log_file.flush()
             if warm:  # in a batch worker, started once (serve/worker.py)
-                child = self._worker(env).run(argv, folder / "log.txt")
+                child = self._worker(env).run(arguments, folder / "log.txt")
             else:
                 child = subprocess.Popen(
-                    [sys.executable, "-m", "pipelines.cli", *argv], stdout=log_file,
+                    [sys.executable, "-m", "pipelines.cli", *_argv(arguments)], stdout=log_file,
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True, preexec_fn=_die_with_parent,
                     env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"})
@@ -556,6 +555,19 @@ def _group(pgid: int) -> list[bytes]:
         except (OSError, IndexError, ValueError):
             continue
     return commands
+
+
+def _argv(arguments: dict) -> list[str]:
+    """The ``overnight batch`` command line of ``run_batch``'s ``arguments``."""
+    files = [] if arguments["errors"] is None else ["-e", arguments["errors"]]
+    argv = ["batch", arguments["requests"], "-o", arguments["results"], *files,
+            "--format", arguments["format"], "--model", arguments["model"],
+            "--served-model-name", arguments["served_model_name"], "--quiet"]
+    if arguments["config"] is not None:
+        argv += ["--config", arguments["config"]]
+    for override in arguments["overrides"]:
+        argv += ["--set", override]
+    return argv
 
 
 def _errors_file(batch: dict, folder: Path) -> Path | None:
