@@ -26,6 +26,8 @@ import subprocess
 import sys
 import traceback
 
+from serve.processes import die_with_parent
+
 
 def main() -> None:  # pragma: no cover - runs in the worker process
     from pipelines.batch import run_batch
@@ -71,13 +73,11 @@ class Worker:
     """A worker process, in its own process group, dying with the thread that started it."""
 
     def __init__(self, env: dict[str, str], log_path):
-        from serve.runner import _die_with_parent
-
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "serve.worker"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, start_new_session=True,
-                preexec_fn=_die_with_parent, env={**os.environ, **env})
+                preexec_fn=die_with_parent, env={**os.environ, **env})
         self.pid = self.proc.pid
 
     def alive(self) -> bool:
