@@ -998,3 +998,30 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     return {"requests": prepared.requests + prepared.rejected, "results": ok, "errors": failed,
             "rejected_lines": prepared.rejected, "results_path": str(results),
             "errors_path": errors and str(errors), "summary": summary, "format": fmt}
+
+
+def run_batch(requests: str | Path, results: str | Path, *, model: str,
+              errors: str | Path | None = None, config: str | Path | None = None,
+              overrides: list[str] | tuple[str, ...] = (), overwrite: bool = False,
+              served_model_name: str | None = None, format: str | None = None,
+              quiet: bool = False) -> int:
+    """What ``overnight batch`` does with its arguments: the file run (``run_batch_file``,
+    with a progress line unless ``quiet``), then its counts and files printed. Returns the
+    exit status, 0; a user's mistake is raised (a JobError), for the caller to end the run
+    as the command line does (``pipelines.errors.exit_status``). The ``batch`` command runs
+    this, and so do ``overnight serve``'s batch workers (serve/worker.py)."""
+    from pipelines.progress import Progress
+
+    counts = run_batch_file(requests, results, errors=errors, model=model, config=config,
+                            overrides=overrides, overwrite=overwrite,
+                            served_model_name=served_model_name,
+                            progress=Progress(total=0, enabled=not quiet), format=format)
+    if counts["format"] == "anthropic":
+        print(f"requests: {counts['requests']} lines -> {counts['results']} succeeded, "
+              f"{counts['errors']} errored ({counts['rejected_lines']} could not run)")
+        print(f"results: {counts['results_path']}")
+        return 0
+    print(f"requests: {counts['requests']} lines -> {counts['results']} results, "
+          f"{counts['errors']} errors ({counts['rejected_lines']} could not run)")
+    print(f"results: {counts['results_path']}\nerrors: {counts['errors_path']}")
+    return 0

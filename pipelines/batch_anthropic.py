@@ -237,3 +237,17 @@ def unfinished(custom_id, kind: str, line: int) -> dict:
         return errored(custom_id, "batch_failed", "the batch stopped before this request ran",
                        line)
     return {"custom_id": custom_id, "result": {"type": kind}}
+
+
+def count_results(path) -> dict:
+    """An ended batch's results file, counted by result type."""
+    counts: dict[str, int] = {}
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                if line.strip():
+                    kind = json.loads(line)["result"]["type"]
+                    counts[kind] = counts.get(kind, 0) + 1
+    except FileNotFoundError:
+        pass
+    return counts

@@ -12,9 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.errors import JobError, one_line
-
-EXIT_JOB_ERROR = 2
+from pipelines.errors import exit_status
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -177,23 +175,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_batch(args) -> int:
-    from pipelines.batch import run_batch_file
-    from pipelines.progress import Progress
+    from pipelines.batch import run_batch
 
-    counts = run_batch_file(args.requests, args.output, errors=args.errors, model=args.model,
-                            config=args.config, overrides=args.overrides,
-                            overwrite=args.overwrite, served_model_name=args.served_model_name,
-                            progress=Progress(total=0, enabled=not args.quiet),
-                            format=args.format)
-    if counts["format"] == "anthropic":
-        print(f"requests: {counts['requests']} lines -> {counts['results']} succeeded, "
-              f"{counts['errors']} errored ({counts['rejected_lines']} could not run)")
-        print(f"results: {counts['results_path']}")
-        return 0
-    print(f"requests: {counts['requests']} lines -> {counts['results']} results, "
-          f"{counts['errors']} errors ({counts['rejected_lines']} could not run)")
-    print(f"results: {counts['results_path']}\nerrors: {counts['errors_path']}")
-    return 0
+    return run_batch(args.requests, args.output, errors=args.errors, model=args.model,
+                     config=args.config, overrides=args.overrides, overwrite=args.overwrite,
+                     served_model_name=args.served_model_name, quiet=args.quiet,
+                     format=args.format)
 
 
 def cmd_serve(args) -> int:
@@ -280,20 +267,8 @@ COMMANDS = {"run": cmd_run, "batch": cmd_batch, "serve": cmd_serve, "validate": 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    try:
-        return COMMANDS[args.command](args)
-    except JobError as exc:
-        if args.debug:
-            raise
-        from pipelines.storage import scrub
-
-        # one line, and no credentials whatever shape a URL holding them took
-        print(f"overnight: error: {scrub(one_line(exc, None))}", file=sys.stderr)
-        return EXIT_JOB_ERROR
-    except KeyboardInterrupt:
-        print("\novernight: interrupted; the parts written are kept: run the same command "
-              "again to resume", file=sys.stderr)
-        return 130
+    # a user's mistake: one line and status 2 (--debug: its traceback); Ctrl-C: 130
+    return exit_status(lambda: COMMANDS[args.command](args), debug=args.debug)
 
 
 if __name__ == "__main__":

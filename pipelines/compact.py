@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError, one_line
-from pipelines.read.schema import _conform  # a block given the input's schema: the same cast
+from pipelines.read.schema import conform  # a block given the input's schema: the same cast
 from pipelines.storage import Location
 from pipelines.write import (
     COUNTED, COUNTED_IF_PRESENT, Part, add_steps, count_part, list_parts, part_name, part_steps,
@@ -121,7 +121,7 @@ def write_group(staging: Location, group: Group, key_column: str) -> dict:
                 stats.add(table)  # (with the part's own metadata: a job with steps' counts)
                 table = table.replace_schema_metadata(schema.metadata)
                 if table.schema != schema:
-                    table = _conform(table, schema)
+                    table = conform(table, schema)
                 buffered.append(table)
                 size += table.nbytes
                 if size >= ROW_GROUP_BYTES:

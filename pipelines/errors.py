@@ -5,6 +5,7 @@ Row errors are not exceptions: they are values in a row's ``error`` column (see 
 """
 
 import re
+import sys
 
 
 class JobError(Exception):
@@ -26,6 +27,31 @@ class OutputError(JobError):
 class StageError(JobError):
     """A stage of the running job failed (an engine that would not start or died, a part
     that could not be written). The parts already written are kept: a re-run resumes."""
+
+
+EXIT_JOB_ERROR = 2
+
+
+def exit_status(command, debug: bool = False) -> int:
+    """``command()``'s exit status, a run of it ended as the ``overnight`` command line ends
+    it: a user's mistake (a JobError) prints one line, ``overnight: error: ...``, and is
+    status 2 (``debug``: raised instead, its traceback shown); Ctrl-C says how to resume and
+    is 130. The command line's commands run through it, and the batches of ``overnight
+    serve``'s batch workers (serve/worker.py) too."""
+    try:
+        return command()
+    except JobError as exc:
+        if debug:
+            raise
+        from udfs.redact import scrub
+
+        # one line, and no credentials whatever shape a URL holding them took
+        print(f"overnight: error: {scrub(one_line(exc, None))}", file=sys.stderr)
+        return EXIT_JOB_ERROR
+    except KeyboardInterrupt:
+        print("\novernight: interrupted; the parts written are kept: run the same command "
+              "again to resume", file=sys.stderr)
+        return 130
 
 
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interrupt)): ?(.*)$")

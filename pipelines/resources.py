@@ -102,10 +102,11 @@ def ray_session(address: str | None = None, verbose: bool = False):
         # started here does not run; a few thousand are plenty to debug one.
         os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(TASK_EVENTS_KEPT))
     else:
-        import pipelines
         import udfs
 
-        options["runtime_env"] = {"py_modules": [pipelines, udfs]}
+        # this package by its folder, which is what Ray takes of a package (its __path__):
+        # `import pipelines` here would make the package's __init__.py an import of this file
+        options["runtime_env"] = {"py_modules": [os.path.dirname(__file__), udfs]}
     try:
         with _no_http_servers(address is None):
             ray.init(address=address, **options)

@@ -447,7 +447,7 @@ def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
     the tokens carried over, not generated again."""
     from pipelines.read import read_unit, read_units
     from pipelines.write import PartWriter
-    from pipelines.write.writers import _runs
+    from pipelines.write.writers import runs
 
     writer = PartWriter(layout)
     steps = plan.config.steps
@@ -507,7 +507,7 @@ def stage_reused(plan, reuse: ReusePlan, layout, done: set[int]) -> dict:
             del source
             for name in carried:
                 rows = rows.append_column(name, found.column(name))
-            for run in _whole_blocks_joined(_runs(rows.column(columns.ORDINAL),
+            for run in _whole_blocks_joined(runs(rows.column(columns.ORDINAL),
                                                   layout.block_starts), ordinals, layout):
                 # (a job of steps' part: its input rows by its name, a row its filter
                 # dropped is not in it)

@@ -25,7 +25,7 @@ from pipelines.images import image_spec
 from udfs import columns, to_polars
 from udfs.predictor import SamplingSpec
 from udfs.prompts import RenderSpec, TemplateError, compile_template
-from udfs.steps import _KEY, _PARSED, StepSpec, step_types
+from udfs.steps import KEY, PARSED, StepSpec, step_types
 
 
 def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
@@ -55,7 +55,7 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
                               f"{max(1, max_model_len // 2)}) or raise model.max_model_len")
         structured = None
         if step.structured is not None:
-            structured = structured_spec(step.structured, _PARSED, f"{where}: structured",
+            structured = structured_spec(step.structured, PARSED, f"{where}: structured",
                                          arrays=True)
             if step.explode and step.structured.json_schema is not None and \
                     structured.json_schema.get("type") != "array":
@@ -76,7 +76,7 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
             min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, stop_token_ids=tuple(s.stop_token_ids),
-            key_column=_KEY, structured=structured.engine_params() if structured else None,
+            key_column=KEY, structured=structured.engine_params() if structured else None,
             n=s.n, logit_bias=tuple(sorted((s.logit_bias or {}).items())),
             # a thinking model's: the step's thinking in C_reasoning (udfs/steps.py)
             reasoning_column=(columns.step_column(step.output_column, columns.STEP_REASONING)

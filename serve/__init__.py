@@ -8,6 +8,7 @@ The server owns HTTP, state, access and the engine; every batch runs as ``overni
 - ``engine``: the resident engine, ``vllm serve`` on loopback, loaded once and shared;
 - ``runner``: the queue, several batches at once on that engine, each in a batch worker
   (``worker``), or one at a time as an ``overnight batch`` child process with its own engine;
+- ``processes``: those children's process groups and sessions, found and killed whole;
 - ``app``: the FastAPI routes, bearer keys and OpenAI's error objects; ``anthropic``: the
   Message Batches routes, ``x-api-key`` and Anthropic's objects.
 """

@@ -33,8 +33,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from pipelines.batch import jsonl
-from serve.runner import INPUT, RESULTS
-from serve.store import Store, new_id
+from serve.store import INPUT, RESULTS, Store, new_id
 
 PREFIX = "/v1/messages/batches"
 ENDPOINT = "/v1/messages"  # a message batch's endpoint, as the store records it
@@ -179,20 +178,6 @@ def as_message_batch(batch: dict, request: Request) -> dict:
             "expires_at": _time(batch["expires_at"]),
             "archived_at": None, "cancel_initiated_at": _time(batch.get("cancelling_at")),
             "results_url": url if ended else None}
-
-
-def count_results(path) -> dict:
-    """An ended batch's results file, counted by result type."""
-    counts: dict[str, int] = {}
-    try:
-        with open(path, encoding="utf-8") as lines:
-            for line in lines:
-                if line.strip():
-                    kind = json.loads(line)["result"]["type"]
-                    counts[kind] = counts.get(kind, 0) + 1
-    except FileNotFoundError:
-        pass
-    return counts
 
 
 def _check_requests(requests, most: int) -> None:

@@ -35,8 +35,8 @@ from starlette.requests import ClientDisconnect
 
 from pipelines import view
 from serve import anthropic
-from serve.runner import INPUT, RESULTS, Runner
-from serve.store import Store, new_id
+from serve.runner import Runner
+from serve.store import INPUT, RESULTS, Store, new_id
 
 # what ``overnight batch`` runs (embeddings as a task: embed job, pipelines/batch_embeddings.py)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")

@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from pipelines.errors import ConfigError
+from serve.processes import group
 
 log = logging.getLogger("overnight.serve")
 
@@ -262,13 +263,11 @@ def _stop_stale(pid_file: Path) -> None:
     """What an engine of an earlier server left running (its API server where PDEATHSIG is
     unavailable, its engine core process where the API server was killed): its process group
     killed, if a process of it is still vLLM's."""
-    from serve.runner import _group
-
     try:
         pgid = int(pid_file.read_text())
     except (OSError, ValueError):
         return
-    if any(b"vllm" in command or b"VLLM" in command for command in _group(pgid)):
+    if any(b"vllm" in command or b"VLLM" in command for command in group(pgid)):
         _kill_group(pgid)
 
 

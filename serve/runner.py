@@ -31,7 +31,6 @@ writes them at the end of a run.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -47,14 +46,14 @@ import pyarrow.parquet as pq
 
 from pipelines.storage import Location
 from pipelines.write import list_parts
-from serve.store import Store
+from serve.processes import die_with_parent, group, kill_session
+from serve.store import ERRORS, INPUT, RESULTS, Store
 from serve.validate import check_input_file
 from serve.worker import Worker, WorkerRun
 
 log = logging.getLogger("overnight.serve")
 
 POLL = 0.5  # seconds between looks at a running child (counts, cancel)
-RESULTS, ERRORS, INPUT = "results.jsonl", "errors.jsonl", "input.jsonl"
 # A child that dies without its own error (the OOM killer's SIGKILL, a crash) is started again
 # from the job's committed parts, up to this many runs in all; each death is one line of
 # DEATHS in the batch's folder (when, how), which survives a restart of the server.
@@ -64,15 +63,6 @@ UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 EMBEDDINGS = "/v1/embeddings"  # a batch of these runs on an engine of its own
 # a stopped batch's final status, by the type its requests not reached were given
 FINAL_STATUS = {"canceled": "cancelled", "expired": "expired", "errored": "failed"}
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
-    """Linux: the child gets SIGKILL when the thread that started it (the runner's, alive as
-    long as the server) dies, so a killed server leaves no orphan engine behind."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Runner:
@@ -119,7 +109,7 @@ class Runner:
         self._run_wake.set()
         self._stopped.wait(60)  # the queue's step in progress ends first
         for child in [*list(self.running.values()), *self._idle]:
-            _kill_session(child.worker.proc if isinstance(child, WorkerRun)
+            kill_session(child.worker.proc if isinstance(child, WorkerRun)
                           else getattr(child, "proc", child))
 
     # -- validation --------------------------------------------------------------------------
@@ -329,24 +319,23 @@ class Runner:
         config, env = self.resident if warm else (self.config, {})
         # a message batch (serve/anthropic.py): one results file, Anthropic's results
         errors = _errors_file(batch, folder)
-        files = ["--format", "anthropic"] if errors is None else [
-            "-e", str(errors), "--format", "openai"]
-        argv = ["batch", str(folder / INPUT), "-o", str(folder / RESULTS), *files,
-                "--model", self.model, "--served-model-name", self.served_model, "--quiet"]
-        if config is not None:
-            argv += ["--config", str(config)]
-        for override in self.overrides:
-            argv += ["--set", override]
+        # `overnight batch`'s arguments: pipelines.batch.run_batch's
+        arguments = {"requests": str(folder / INPUT), "results": str(folder / RESULTS),
+                     "errors": None if errors is None else str(errors),
+                     "format": "anthropic" if errors is None else "openai",
+                     "model": self.model, "served_model_name": self.served_model,
+                     "quiet": True, "config": None if config is None else str(config),
+                     "overrides": list(self.overrides)}
         with open(folder / "log.txt", "ab") as log_file:
             log_file.write(_RUN_MARK.encode())  # where this run's own error would start
             log_file.flush()
             if warm:  # in a batch worker, started once (serve/worker.py)
-                child = self._worker(env).run(argv, folder / "log.txt")
+                child = self._worker(env).run(arguments, folder / "log.txt")
             else:
                 child = subprocess.Popen(
-                    [sys.executable, "-m", "pipelines.cli", *argv], stdout=log_file,
+                    [sys.executable, "-m", "pipelines.cli", *_argv(arguments)], stdout=log_file,
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=_die_with_parent,
+                    start_new_session=True, preexec_fn=die_with_parent,
                     env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"})
         self.store.set_child(batch_id, child.pid)
         log.info("batch %s: started (pid %d%s)", batch_id, child.pid,
@@ -430,7 +419,7 @@ class Runner:
         changes: dict = {"status": status, f"{status}_at": int(time.time())}
         counts = dict(batch.get("request_counts") or {"total": 0})
         if batch.get("api") == "anthropic":  # its results are its own (serve/anthropic.py)
-            from serve.anthropic import count_results
+            from pipelines.batch_anthropic import count_results
 
             found = changes["result_counts"] = count_results(folder / RESULTS)
             counts.update(completed=found.get("succeeded", 0),
@@ -494,7 +483,7 @@ def _stop(child: subprocess.Popen) -> None:
         pass
     child.wait()
     deadline = time.monotonic() + 30
-    while _group(child.pid) and time.monotonic() < deadline:
+    while group(child.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
@@ -507,55 +496,28 @@ def _stop_stale_child(store: Store, batch_id: str) -> None:
     if pid is None:
         return
     marks = (str(store.batch_dir(batch_id)).encode(), b"ray::", b"/ray/")
-    if any(any(mark in command for mark in marks) for command in _group(pid)):
+    if any(any(mark in command for mark in marks) for command in group(pid)):
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + 30
-        while _group(pid) and time.monotonic() < deadline:
+        while group(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
     store.set_child(batch_id, None)
 
 
-def _kill_session(child: subprocess.Popen) -> None:
-    """A child (started in a session of its own) and every process of its session killed,
-    reaped, and waited for (30 s at most)."""
-    for pid in _session(child.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    child.wait()
-    deadline = time.monotonic() + 30
-    while _session(child.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
-def _session(sid: int) -> list[int]:
-    """The live processes of a session (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
-def _group(pgid: int) -> list[bytes]:
-    """The command lines of the live processes in a process group (Linux /proc)."""
-    commands = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                commands.append((stat.parent / "cmdline").read_bytes())
-        except (OSError, IndexError, ValueError):
-            continue
-    return commands
+def _argv(arguments: dict) -> list[str]:
+    """The ``overnight batch`` command line of ``run_batch``'s ``arguments``."""
+    files = [] if arguments["errors"] is None else ["-e", arguments["errors"]]
+    argv = ["batch", arguments["requests"], "-o", arguments["results"], *files,
+            "--format", arguments["format"], "--model", arguments["model"],
+            "--served-model-name", arguments["served_model_name"], "--quiet"]
+    if arguments["config"] is not None:
+        argv += ["--config", arguments["config"]]
+    for override in arguments["overrides"]:
+        argv += ["--set", override]
+    return argv
 
 
 def _errors_file(batch: dict, folder: Path) -> Path | None:

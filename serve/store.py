@@ -46,6 +46,9 @@ CREATE TABLE IF NOT EXISTS batches (
 
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
+# a batch's folder (batches/<batch id>/): its input's copy, and the result and error files its
+# job writes (the job's work directory beside them, RESULTS.overnight/)
+RESULTS, ERRORS, INPUT = "results.jsonl", "errors.jsonl", "input.jsonl"
 
 
 SECRET = "key.secret"
@@ -142,8 +145,6 @@ class Store:
         if not gone:
             return False
         self.file_path(file_id).unlink(missing_ok=True)
-        from serve.runner import ERRORS, RESULTS
-
         for key, name in (("output_file_id", RESULTS), ("error_file_id", ERRORS)):
             for batch_id in self._batches_where(f"json_extract(object, '$.{key}')=?",
                                                 (file_id,)):
@@ -158,8 +159,6 @@ class Store:
         directory of each whose input file was deleted; with ``retention`` (seconds), the
         whole folder and the output and error files of each that finished longer ago than
         that. Returns the ids of the batches whose folders were removed."""
-        from serve.runner import INPUT, RESULTS
-
         now = time.time() if now is None else now
         marks = ",".join("?" * len(TERMINAL))
         with self._lock:

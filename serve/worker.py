@@ -1,16 +1,19 @@
 """A batch worker: ``overnight batch`` runs, one after another, in one long-lived process with
 its own Ray, for the batches of the resident engine (serve/engine.py).
 
-A batch's job is exactly what ``python -m pipelines.cli batch ...`` runs (``pipelines.cli.main``
-with the same arguments, its output to the batch's log); only what it costs to start is paid
-once: Python's imports and Ray's start, which were most of a small batch's time (measured:
-16 CPU-seconds a 3-request batch as a process of its own, 8.5 in a worker). A worker runs one
-batch at a time; the runner treats it as that batch's child while it runs (``WorkerRun``), so a
-cancel, an expiry or a restart kills it whole (its process group, its Ray with it) exactly as
-it killed a child, and a worker that failed is never given another batch.
+A batch's job is exactly what ``python -m pipelines.cli batch ...`` runs: the same function,
+``pipelines.batch.run_batch``, with the same arguments, ended as the command line ends a run
+(``pipelines.errors.exit_status``: a user's mistake one line and status 2), its output to the
+batch's log; only what it costs to start is paid once: Python's imports and Ray's start, which
+were most of a small batch's time (measured: 16 CPU-seconds a 3-request batch as a process of
+its own, 8.5 in a worker). A worker runs one batch at a time; the runner treats it as that
+batch's child while it runs (``WorkerRun``), so a cancel, an expiry or a restart kills it whole
+(its process group, its Ray with it) exactly as it killed a child, and a worker that failed is
+never given another batch.
 
-Protocol: the runner writes a JSON line ``{"argv": [...], "log": path}`` to the worker's stdin;
-the worker answers ``{"rc": N}`` on its stdout once the run ends.
+Protocol: the runner writes a JSON line ``{"batch": {...}, "log": path}`` to the worker's stdin,
+``batch`` the keyword arguments of ``run_batch``; the worker answers ``{"rc": N}`` on its stdout
+once the run ends.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import subprocess
 import sys
 import traceback
 
+from serve.processes import die_with_parent
+
 
 def main() -> None:  # pragma: no cover - runs in the worker process
-    from pipelines import cli
+    from pipelines.batch import run_batch
     from pipelines.resources import ray_session
 
     answers = os.fdopen(os.dup(1), "w")  # the runner reads answers here
@@ -33,12 +38,15 @@ def main() -> None:  # pragma: no cover - runs in the worker process
     with ray_session():  # one Ray for the worker's life: each job finds it initialized
         for line in sys.stdin:
             job = json.loads(line)
-            answers.write(json.dumps({"rc": _run(cli, job["argv"], job["log"])}) + "\n")
+            answers.write(json.dumps({"rc": _run(run_batch, job["batch"], job["log"])}) + "\n")
             answers.flush()
 
 
-def _run(cli, argv: list[str], log_path: str) -> int:  # pragma: no cover - in the worker
-    """``overnight`` with ``argv``, its stdout and stderr appended to ``log_path``."""
+def _run(run_batch, arguments: dict, log_path: str) -> int:  # pragma: no cover - in the worker
+    """``overnight batch`` with ``arguments`` (``run_batch``'s), its exit status as the command
+    line's, its stdout and stderr appended to ``log_path``."""
+    from pipelines.errors import exit_status
+
     saved = os.dup(1), os.dup(2)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     sys.stdout.flush()
@@ -46,7 +54,7 @@ def _run(cli, argv: list[str], log_path: str) -> int:  # pragma: no cover - in t
     os.dup2(log, 1)
     os.dup2(log, 2)
     try:
-        return cli.main(argv)
+        return exit_status(lambda: run_batch(**arguments))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - a crash is this run's, reported as a child's would be
@@ -65,20 +73,19 @@ class Worker:
     """A worker process, in its own process group, dying with the thread that started it."""
 
     def __init__(self, env: dict[str, str], log_path):
-        from serve.runner import _die_with_parent
-
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "serve.worker"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, start_new_session=True,
-                preexec_fn=_die_with_parent, env={**os.environ, **env})
+                preexec_fn=die_with_parent, env={**os.environ, **env})
         self.pid = self.proc.pid
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, argv: list[str], log_path) -> WorkerRun:
-        self.proc.stdin.write((json.dumps({"argv": argv, "log": str(log_path)}) + "\n")
+    def run(self, arguments: dict, log_path) -> WorkerRun:
+        """A batch run: ``pipelines.batch.run_batch(**arguments)``."""
+        self.proc.stdin.write((json.dumps({"batch": arguments, "log": str(log_path)}) + "\n")
                               .encode())
         self.proc.stdin.flush()
         return WorkerRun(self)

@@ -106,10 +106,10 @@ def test_more_requests_than_the_engine_has_slots_all_complete_in_order(vllm_engi
 
 
 def test_waiting_requests_go_longest_first_and_none_waits_forever():
-    from udfs.vllm_engine import _Batch, _Waiting
+    from udfs.vllm_engine import Batch, _Waiting
 
     def batch(*lengths):
-        return _Batch([GenerationRequest([1], n) for n in lengths])
+        return Batch([GenerationRequest([1], n) for n in lengths])
 
     waiting, first = _Waiting(), batch(10, 200, 50, 50)
     for i in range(4):

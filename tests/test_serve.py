@@ -714,7 +714,8 @@ def test_a_batch_whose_job_dies_runs_again_from_its_parts_then_fails_with_them(s
     batch runs again from its committed parts (the counts never go back), up to
     ATTEMPTS runs; past that it fails, with the cause, and the results done are delivered
     (they were thrown away: failed, no output file)."""
-    from serve.runner import ATTEMPTS, _group
+    from serve.processes import group as _group
+    from serve.runner import ATTEMPTS
 
     client = server.client()
     uploaded = client.files.create(file=long_file(tmp_path / "d.jsonl", "d", 2_000, 4),

@@ -252,14 +252,14 @@ def test_parts_that_overlap_in_part_are_refused_never_superseded(tmp_path):
 def test_the_retry_writer_merges_a_row_whose_samples_came_in_two_batches(tmp_path):
     """--retry-errors: the re-run rows travel to one writer; a row cut between its samples
     keeps all three (the writer once dropped the second piece's samples of a row it had seen)."""
-    from pipelines.write import _RETRY_OLD, RetryWriter
+    from pipelines.write import RETRY_OLD, RetryWriter
 
     staging = Location.of(str(tmp_path))
     old = PartWriter(PartLayout(staging=str(tmp_path / "old"), **SAMPLED))
     (tmp_path / "old").mkdir()
     old(sampled([0, 1, 2, 3]))
     committed = pq.read_table(tmp_path / "old" / part_name(0, 4))
-    pq.write_table(committed, tmp_path / _RETRY_OLD.format(0))
+    pq.write_table(committed, tmp_path / RETRY_OLD.format(0))
     layout = PartLayout(staging=staging, **dict(SAMPLED, block_rows=(2, 0, 0)))
     writer = RetryWriter(layout)
     rerun = sampled([1, 2]).set_column(2, "text", pa.array([f"new{i}" for i in range(6)]))

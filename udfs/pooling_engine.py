@@ -21,7 +21,7 @@ from typing import Sequence
 
 from udfs.engine import EngineSpec, PoolingRequest, PoolingResult
 from udfs.engine import one_line as _one_line
-from udfs.vllm_engine import VLLMEngine, _Batch, _Stepper
+from udfs.vllm_engine import Batch, Stepper, VLLMEngine
 
 # PoolingParams.task for each of overnight's tasks: a cross-encoder's score is a one-label
 # classification of the pair (vLLM's CrossEncoderIOProcessor)
@@ -40,7 +40,7 @@ class VLLMPoolingEngine(VLLMEngine):
         self.embedding_size = getattr(config, "embedding_size", None)
 
     @staticmethod
-    def stepper_class() -> type[_Stepper]:
+    def stepper_class() -> type[Stepper]:
         return _PoolingStepper
 
     def pool(self, requests: Sequence[PoolingRequest]) -> list[PoolingResult]:
@@ -60,7 +60,7 @@ class VLLMPoolingEngine(VLLMEngine):
         return params
 
 
-class _PoolingStepper(_Stepper):
+class _PoolingStepper(Stepper):
     """The generation stepper with pooling requests: each finishes in the step that reads
     it, in arrival order (nothing to gain from ordering by length), and its tokens count as
     the prompt's."""
@@ -70,7 +70,7 @@ class _PoolingStepper(_Stepper):
         # engine: "can already saturate the core"
         return 2 * llm_engine.vllm_config.scheduler_config.max_num_seqs
 
-    def _queue(self, batch: _Batch) -> None:
+    def _queue(self, batch: Batch) -> None:
         tokens = sum(len(r.prompt_token_ids) for r in batch.requests)
         self.requests_seen += len(batch.requests)
         self.cap_seen += tokens
@@ -79,7 +79,7 @@ class _PoolingStepper(_Stepper):
         for index in range(len(batch.requests)):
             self.waiting.push(batch, index, self.steps, steps=0)
 
-    def _add(self, batch: _Batch, index: int) -> None:
+    def _add(self, batch: Batch, index: int) -> None:
         engine, request = self.engine, batch.requests[index]
         request_id = f"overnight-{next(self.counter)}"
         try:  # one vLLM refuses (too long, a dimension it has not) is this row's error
@@ -93,7 +93,7 @@ class _PoolingStepper(_Stepper):
             return
         self.pending[request_id] = (batch, index)
 
-    def _finish(self, batch: _Batch, index: int, out) -> None:
+    def _finish(self, batch: Batch, index: int, out) -> None:
         batch.set(index, PoolingResult(out.outputs.data.tolist()))
         self._count(len(batch.requests[index].prompt_token_ids))
 

@@ -53,8 +53,8 @@ from udfs.prompts import RenderSpec
 
 # Internal columns of a block between steps
 _SEQ = "__overnight_step_seq"  # the row's position in the block before the step
-_KEY = "__overnight_step_key"  # the row's seed key at this step: step, input row, fan-out path
-_PARSED = "__overnight_step_parsed"  # a structured step's parsed value, before it is renamed
+KEY = "__overnight_step_key"  # the row's seed key at this step: step, input row, fan-out path
+PARSED = "__overnight_step_parsed"  # a structured step's parsed value, before it is renamed
 _KIND, _ERROR = "__overnight_step_error_kind", "__overnight_step_error"
 _FINISH = "__overnight_step_finish"
 _PROMPT, _COMPLETION = "__overnight_step_prompt_tokens", "__overnight_step_completion_tokens"
@@ -71,7 +71,7 @@ class StepSpec:
     column: str | None = None  # None: a filter step
     where: str | None = None
     render: RenderSpec | None = None
-    sampling: SamplingSpec | None = None  # its key_column is _KEY
+    sampling: SamplingSpec | None = None  # its key_column is KEY
     structured: StructuredSpec | None = None
     explode: bool = False
     fan_out: bool = False  # adds C_index (explode, or n > 1)
@@ -165,7 +165,7 @@ class StepsPredictor:
 
     def _start(self, batch: pa.Table) -> pa.Table:
         """The block's rows before the first step: their seed keys, no error, no tokens."""
-        state = batch.append_column(_KEY, pa.array(
+        state = batch.append_column(KEY, pa.array(
             [json.dumps(k, default=str) for k in batch.column(self.key_column).to_pylist()],
             pa.string()))
         n = state.num_rows
@@ -212,7 +212,7 @@ class StepsPredictor:
                 state = state.append_column(name, carried.column(name))
         if columns.DROPPED_BY in carried.column_names:  # dropped by one of those steps
             state = _replace(state, _DROPPED_BY, carried.column(columns.DROPPED_BY))
-        key = state.column(_KEY)
+        key = state.column(KEY)
         finish = None
         for step in self.steps[:self.from_step]:
             if step.column is None:
@@ -229,7 +229,7 @@ class StepsPredictor:
                     state = _replace(state, total, pc.add(state.column(total),
                                                           pc.fill_null(state.column(name), 0)))
             finish = state.column(columns.step_column(step.column, columns.FINISH_REASON))
-        state = _replace(state, _KEY, key)
+        state = _replace(state, KEY, key)
         return _replace(state, _FINISH, finish) if finish is not None else state
 
     def _step(self, step: StepSpec, state: pa.Table, block: int) -> tuple[pa.Table, dict]:
@@ -274,8 +274,8 @@ class StepsPredictor:
             index = pc.if_else(ran, _positions(merged.column(_SEQ)), pa.scalar(None, pa.int32()))
             merged = merged.append_column(columns.step_column(step.column, "index"), index)
             # each of a row's new rows seeds its next steps apart
-            merged = _replace(merged, _KEY, pc.binary_join_element_wise(
-                merged.column(_KEY), pc.cast(pc.fill_null(merged.column(columns.step_column(
+            merged = _replace(merged, KEY, pc.binary_join_element_wise(
+                merged.column(KEY), pc.cast(pc.fill_null(merged.column(columns.step_column(
                     step.column, "index")), 0), pa.string()), "#"))
         merged = merged.drop_columns([_SEQ])
         done_counts = _done_counts(done, step)
@@ -288,8 +288,8 @@ class StepsPredictor:
         """The step run on its live rows; each of the rows it returns (more than one per row
         with fan-out) with the step's columns, its totals updated and a key of its own."""
         c = step.column
-        rows = _replace(rows, _KEY, pc.binary_join_element_wise(
-            pa.array([step.name] * rows.num_rows, pa.string()), rows.column(_KEY), "/"))
+        rows = _replace(rows, KEY, pc.binary_join_element_wise(
+            pa.array([step.name] * rows.num_rows, pa.string()), rows.column(KEY), "/"))
         if rows.num_rows == 0:
             out = rows
             for name, type_ in step_types(step, index=False).items():
@@ -336,7 +336,7 @@ class StepsPredictor:
         """The job-level columns from the totals; the steps' counts for the writer."""
         base = self.base
         rows = state.num_rows
-        out = state.drop_columns([_KEY, *_TOTALS])
+        out = state.drop_columns([KEY, *_TOTALS])
         if self.keep_dropped:
             out = out.append_column(columns.DROPPED_BY, state.column(_DROPPED_BY))
         of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731

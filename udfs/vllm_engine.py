@@ -86,7 +86,7 @@ class VLLMEngine:
             self.set_num_threads = torch.set_num_threads
         kwargs = llm_kwargs(spec.model, opts, cpu, reasoning_parser, adapters, lora)
         self.llm = None
-        # On CPU the stepper thread builds the engine as well as running it: see _Stepper
+        # On CPU the stepper thread builds the engine as well as running it: see Stepper
         self._stepper = self.stepper_class()(self, build=lambda: vllm.LLM(**kwargs),
                                              build_there=cpu)
         # what the engine computes in, as the run report names it
@@ -100,9 +100,9 @@ class VLLMEngine:
                          for i, (name, path) in enumerate(sorted(adapters.items()))}
 
     @staticmethod
-    def stepper_class() -> type[_Stepper]:
+    def stepper_class() -> type[Stepper]:
         """The thread that runs the engine (udfs/pooling_engine.py has its own)."""
-        return _Stepper
+        return Stepper
 
     def _sampling_params(self, req: GenerationRequest):
         return self._vllm.SamplingParams(
@@ -139,7 +139,7 @@ class VLLMEngine:
         """Thread-safe: several blocks may be in flight at once, all fed to one engine."""
         if not requests:
             return []
-        batch = _Batch(requests)
+        batch = Batch(requests)
         self._stepper.submit(batch)
         batch.done.wait()
         if batch.failure is not None:
@@ -171,7 +171,7 @@ class VLLMEngine:
                 shutdown()
 
 
-class _Batch:
+class Batch:
     """One ``generate`` call's requests, and where their results land."""
 
     def __init__(self, requests: Sequence[GenerationRequest]):
@@ -192,7 +192,7 @@ class _Batch:
         self.done.set()
 
 
-class _Stepper:
+class Stepper:
     """The one thread that touches the engine: it adds each arriving batch's requests and
     steps the engine while any request is unfinished. New blocks join the running batch
     at the next step, so the engine never drains at a block boundary.
@@ -214,9 +214,9 @@ class _Stepper:
 
     def __init__(self, engine: VLLMEngine, build, build_there: bool):
         self.engine = engine
-        self.inbox: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Batch] = queue.SimpleQueue()
         self.waiting = _Waiting()  # not yet in the engine
-        self.pending: dict[str, tuple[_Batch, int]] = {}  # in the engine, by request id
+        self.pending: dict[str, tuple[Batch, int]] = {}  # in the engine, by request id
         self.counter = itertools.count()
         self.steps = 0
         self.busy_since: float | None = None  # last step finished, or work arrived (monotonic)
@@ -252,7 +252,7 @@ class _Stepper:
         since = self.busy_since
         return 0.0 if since is None else time.monotonic() - since
 
-    def submit(self, batch: _Batch) -> None:
+    def submit(self, batch: Batch) -> None:
         if self.broken is not None:
             batch.fail(RuntimeError(f"the engine failed earlier: {_one_line(self.broken)}"))
             return
@@ -317,7 +317,7 @@ class _Stepper:
                 batch.fail(exc)
             _fail_all(self.inbox, exc)
 
-    def _finish(self, batch: _Batch, index: int, out) -> None:
+    def _finish(self, batch: Batch, index: int, out) -> None:
         """A request's final output: its result to its batch, its counts to the progress."""
         request = batch.requests[index]
         result = _result(out, request.logprobs, self.engine.reasoning,
@@ -342,7 +342,7 @@ class _Stepper:
             in_flight = 0
         self.tokens_live = self.tokens_finished + in_flight
 
-    def _queue(self, batch: _Batch) -> None:
+    def _queue(self, batch: Batch) -> None:
         self.requests_seen += len(batch.requests)
         self.cap_seen += sum(r.max_tokens for r in batch.requests)
         if self.busy_since is None:  # work waits from now: a stall counts from here
@@ -350,7 +350,7 @@ class _Stepper:
         for index in range(len(batch.requests)):
             self.waiting.push(batch, index, self.steps)
 
-    def _add(self, batch: _Batch, index: int) -> None:
+    def _add(self, batch: Batch, index: int) -> None:
         engine, request = self.engine, batch.requests[index]
         request_id = f"overnight-{next(self.counter)}"
         try:  # the sampling values too: one vLLM refuses is this request's error
@@ -377,18 +377,18 @@ class _Waiting:
     it arrived at minus its ``max_tokens`` (the steps it may take), ties in arrival order."""
 
     def __init__(self):
-        self._heap: list[tuple[int, int, _Batch, int]] = []
+        self._heap: list[tuple[int, int, Batch, int]] = []
         self._arrivals = itertools.count()
 
-    def push(self, batch: _Batch, index: int, step: int, steps: int | None = None) -> None:
+    def push(self, batch: Batch, index: int, step: int, steps: int | None = None) -> None:
         """``steps``: what the request may take (default: its max_tokens)."""
         key = step - (batch.requests[index].max_tokens if steps is None else steps)
         heapq.heappush(self._heap, (key, next(self._arrivals), batch, index))
 
-    def pop(self) -> tuple[_Batch, int]:
+    def pop(self) -> tuple[Batch, int]:
         return heapq.heappop(self._heap)[2:]
 
-    def batches(self) -> set[_Batch]:
+    def batches(self) -> set[Batch]:
         return {batch for _, _, batch, _ in self._heap}
 
     def __len__(self) -> int:

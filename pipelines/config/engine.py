@@ -8,10 +8,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from pipelines.config.sections import _Strict
+from pipelines.config.sections import Strict
 
 
-class _EngineRecovery(_Strict):
+class _EngineRecovery(Strict):
     """What happens when an engine dies (udfs/recovery.py): it is replaced, its blocks
     retried, rows that kill engines isolated."""
 

@@ -10,8 +10,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from pipelines.config.engine import EngineConfig, VLLMEngineConfig
 from pipelines.config.sections import (InputConfig, ModelConfig, OutputConfig, PromptConfig,
-                                       ReportConfig, ResourcesConfig, SamplingConfig,
-                                       StructuredConfig, _Strict)
+                                       ReportConfig, ResourcesConfig, SamplingConfig, Strict,
+                                       StructuredConfig)
 from pipelines.config.steps import StepConfig
 from udfs import columns
 
@@ -21,7 +21,7 @@ POOLING_TASKS = ("embed", "score", "classify")
 DEFAULT_COLUMN = {"embed": "embedding", "score": "score", "classify": "label"}
 
 
-class JobConfig(_Strict):
+class JobConfig(Strict):
     task: Literal["generate", "embed", "score", "classify"] = Field(
         "generate", description="generate: text from a prompt; embed: a vector per row; "
         "score: a float per pair of texts (a cross-encoder or reward model); classify: the "

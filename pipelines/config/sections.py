@@ -11,11 +11,11 @@ from pydantic import (BaseModel, ConfigDict, Field, field_validator, model_seria
                       model_validator)
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class InputConfig(_Strict):
+class InputConfig(Strict):
     path: str = Field(description="A Parquet or JSONL file, a directory of them, or a glob.")
     format: Literal["auto", "parquet", "jsonl"] = Field(
         "auto", description="File format; 'auto' goes by the file extension."
@@ -25,7 +25,7 @@ class InputConfig(_Strict):
     )
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     name: str = Field(description="A Hugging Face model name or a local model directory.")
     max_model_len: int | None = Field(
         None, gt=0, description="Context length (prompt + output); default: the model's own."
@@ -85,7 +85,7 @@ class ModelConfig(_Strict):
         return self
 
 
-class PromptConfig(_Strict):
+class PromptConfig(Strict):
     template: str | None = Field(
         None, description="Jinja template over the row's columns, e.g. 'Title: {{ title }}'."
     )
@@ -161,7 +161,7 @@ class PromptConfig(_Strict):
         return self
 
 
-class SamplingConfig(_Strict):
+class SamplingConfig(Strict):
     temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy; vLLM allows "
                                "at most 2.")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -201,7 +201,7 @@ class SamplingConfig(_Strict):
         return value
 
 
-class StructuredConfig(_Strict):
+class StructuredConfig(Strict):
     json_schema: dict[str, Any] | str | None = Field(
         None, description="A JSON Schema (inline, or the path of a .json file); the output "
         "is parsed into a struct column typed by it.")
@@ -217,7 +217,7 @@ class StructuredConfig(_Strict):
         return self
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     path: str = Field(description="Output directory of Parquet parts (created by the job).")
     column: str = Field("generated", description="Name of the generated-text column.")
     parsed_column: str = Field(
@@ -262,7 +262,7 @@ class OutputConfig(_Strict):
         "on an object store: yesterday's snapshot); implies reuse.")
 
 
-class ResourcesConfig(_Strict):
+class ResourcesConfig(Strict):
     replicas: int | Literal["auto"] = Field(
         "auto", description="Engines to run (1 or more); auto = GPUs / tensor_parallel_size "
         "(1 on CPU)."
@@ -289,12 +289,12 @@ class ResourcesConfig(_Strict):
         return value
 
 
-class PricePerMTok(_Strict):
+class PricePerMTok(Strict):
     input: float = Field(ge=0, description="Price per million prompt tokens.")
     output: float = Field(ge=0, description="Price per million output tokens.")
 
 
-class ReportConfig(_Strict):
+class ReportConfig(Strict):
     price_per_mtok: PricePerMTok | None = Field(
         None, description="A hosted batch API's prices, to say in the run report what the "
         "same tokens would have cost there (no built-in price list: it would go stale).")

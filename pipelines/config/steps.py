@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from pipelines.config.sections import PromptConfig, SamplingConfig, StructuredConfig, _Strict
+from pipelines.config.sections import PromptConfig, SamplingConfig, Strict, StructuredConfig
 from udfs import columns
 
 
 STEP_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
-class StepConfig(_Strict):
+class StepConfig(Strict):
     """One step of a job of several (``steps:``): a generation with its own prompt, sampling,
     structured output and column; or, with only ``where``, a filter."""
 

@@ -15,9 +15,9 @@ from ray.data import ExecutionResources
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from pipelines.read.files import _parquet
-from pipelines.read.scan import BOM, Block, InputPlan, _blank, _loads
-from pipelines.read.schema import JSON_TEXT, _conform
+from pipelines.read.files import parquet_file
+from pipelines.read.scan import BOM, Block, InputPlan, blank, loads
+from pipelines.read.schema import JSON_TEXT, conform
 from pipelines.read.sizes import ray_block_rows, read_ahead_bytes, reads_at_once
 from udfs import columns
 from udfs.predictor import release_memory
@@ -90,12 +90,12 @@ def read_unit(unit: ReadUnit, schema: pa.Schema) -> Iterator[pa.Table]:
         tables = (_jsonl_table(rows, schema) for rows in _jsonl_blocks(unit))
     for block, table in zip(unit.blocks, tables):
         ordinals = pa.array(range(block.ordinal, block.ordinal + block.num_rows), pa.int64())
-        yield _conform(table, schema).append_column(columns.ORDINAL, ordinals)
+        yield conform(table, schema).append_column(columns.ORDINAL, ordinals)
 
 
 def _parquet_blocks(unit: ReadUnit) -> Iterator[pa.Table]:
     """The unit's row groups, streamed once and cut into its blocks."""
-    file = _parquet(unit.blocks[0].path)
+    file = parquet_file(unit.blocks[0].path)
     start, end = unit.blocks[0].offset, unit.blocks[-1].offset + unit.blocks[-1].num_rows
     groups, first_row, seen = [], None, 0
     for i in range(file.metadata.num_row_groups):
@@ -131,8 +131,8 @@ def _jsonl_blocks(unit: ReadUnit) -> Iterator[list[dict]]:
                     break
                 if start:
                     raw, start = raw.removeprefix(BOM), False
-                if not _blank(raw):
-                    rows.append(_loads(raw))
+                if not blank(raw):
+                    rows.append(loads(raw))
             yield rows
 
 

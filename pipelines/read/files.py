@@ -118,7 +118,7 @@ def glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
-def _parquet(file: Location) -> pq.ParquetFile:
+def parquet_file(file: Location) -> pq.ParquetFile:
     """A local file by path (Arrow opens and closes it), a remote one through its filesystem.
     A local file is read through a small buffer, a page at a time: read whole (pre-buffered),
     the first rows of a 1M-row group held the group's 60 MB of column chunks; an object
@@ -134,7 +134,7 @@ def earlier_job(files: list[Location]) -> dict | None:
     if not files or _suffix(files[0]) != ".parquet":
         return None
     try:
-        found = (_parquet(files[0]).schema_arrow.metadata or {}).get(columns.JOB_METADATA)
+        found = (parquet_file(files[0]).schema_arrow.metadata or {}).get(columns.JOB_METADATA)
         return json.loads(found) if found else None
     except (OSError, ValueError, pa.ArrowException):  # the scan says what is wrong with it
         return None

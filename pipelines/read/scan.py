@@ -17,8 +17,8 @@ import msgspec
 import pyarrow as pa
 
 from pipelines.errors import InputError
-from pipelines.read.files import _parquet, resolve_files
-from pipelines.read.schema import _as_json_text, _merge_schema, _unify
+from pipelines.read.files import parquet_file, resolve_files
+from pipelines.read.schema import as_json_text, merge_schema, unify
 from pipelines.storage import Location, redact
 from udfs import columns
 
@@ -129,7 +129,7 @@ def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None,
         ordinal += sum(b.num_rows for b in file_blocks)
     if ordinal == 0:
         raise InputError(f"input.path {redact(path)!r}: the input has no rows")
-    schema = _as_json_text(_unify(schemas, fmt, big_ints))
+    schema = as_json_text(unify(schemas, fmt, big_ints))
     for name in schema.names:
         if name.startswith(columns.INTERNAL_PREFIX):
             raise InputError(f"column {name!r}: names starting with "
@@ -140,7 +140,7 @@ def scan_input(path: str, fmt: str, block_rows: int, id_column: str | None,
 
 def _scan_parquet(file, ordinal, block_rows, id_column, ids, big_ints):
     try:
-        meta = _parquet(file)
+        meta = parquet_file(file)
         num_rows = meta.metadata.num_rows
         schema = meta.schema_arrow
         if id_column is not None and id_column in schema.names:
@@ -182,25 +182,25 @@ def _scan_jsonl(file, ordinal, block_rows, id_column, ids, big_ints):
             if len(rows) == block_rows:
                 if id_column is not None:
                     ids.add([r.get(id_column) for r in rows])
-                schema = _merge_schema(schema, rows, file, lines, big_ints)
+                schema = merge_schema(schema, rows, file, lines, big_ints)
                 blocks.append(Block(file, "jsonl", first, len(rows), block_start_offset))
                 first += len(rows)
                 rows, lines, block_start_offset = [], [], offset
         if rows:
             if id_column is not None:
                 ids.add([r.get(id_column) for r in rows])
-            schema = _merge_schema(schema, rows, file, lines, big_ints)
+            schema = merge_schema(schema, rows, file, lines, big_ints)
             blocks.append(Block(file, "jsonl", first, len(rows), block_start_offset))
     return schema, blocks, offset
 
 
-def _blank(raw: bytes) -> bool:
+def blank(raw: bytes) -> bool:
     """A line with nothing but JSON's own whitespace; the scan and the reads agree on it
     (Python's str.strip() would also drop U+00A0, which json.loads refuses)."""
     return not raw.strip(b" \t\r\n")
 
 
-def _loads(raw: bytes):
+def loads(raw: bytes):
     """A JSONL line's value, as ``json.loads`` gives it. msgspec's decoder is twice as fast on
     the common line; whatever it refuses (NaN, a lone surrogate, 1e400, a malformed line)
     goes to ``json.loads``, which accepts the same lines as before or says why not."""
@@ -214,7 +214,7 @@ _DECODE = msgspec.json.Decoder().decode
 
 
 def _parse_jsonl_line(raw: bytes, file: str, lineno: int) -> dict | None:
-    if _blank(raw):
+    if blank(raw):
         return None
     try:
         row = _DECODE(raw)

@@ -1,7 +1,7 @@
 """One schema for the whole input, settled before any engine starts.
 
 Files of one table may disagree on a column's type: a type is widened only where no value can
-change (``_unify``), else the scan stops in one line naming the column and two files. Values that
+change (``unify``), else the scan stops in one line naming the column and two files. Values that
 no Arrow type holds (JSON integers past int64, empty structs) are kept as JSON text.
 """
 
@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipelines.errors import InputError, one_line
-from pipelines.read.files import _parquet
+from pipelines.read.files import parquet_file
 from pipelines.storage import Location
 
 
-def _unify(schemas: list[tuple[Location, pa.Schema]], fmt: str,
+def unify(schemas: list[tuple[Location, pa.Schema]], fmt: str,
            big_ints: dict | None = None) -> pa.Schema:
     """One schema for the files of an input. The policy, for a column whose type differs
     between files:
@@ -118,7 +118,7 @@ def _check_lossless(file: Location, fld: pa.Field, target: pa.DataType, other) -
 
 
 def _extremes(file: Location, name: str) -> tuple:
-    extremes = pc.min_max(_parquet(file).read(columns=[name]).column(0)).as_py()
+    extremes = pc.min_max(parquet_file(file).read(columns=[name]).column(0)).as_py()
     return extremes["min"], extremes["max"]
 
 
@@ -132,7 +132,7 @@ def _int_range(type_: pa.DataType) -> tuple[int, int]:
 JSON_TEXT = {b"overnight.json_text": b"1"}  # field metadata: values kept as JSON text
 
 
-def _as_json_text(schema: pa.Schema) -> pa.Schema:
+def as_json_text(schema: pa.Schema) -> pa.Schema:
     """Columns whose type holds an empty struct (``{}`` in every row), which Parquet cannot
     store, become their values' JSON text."""
     fields = [pa.field(f.name, pa.string(), metadata=JSON_TEXT) if _has_empty_struct(f.type)
@@ -151,7 +151,7 @@ def _has_empty_struct(type_: pa.DataType) -> bool:
     return False
 
 
-def _merge_schema(schema, rows, file, lines, big_ints):
+def merge_schema(schema, rows, file, lines, big_ints):
     values = _rows_array(rows, file, lines)
     block_schema = pa.schema(values.type)
     _note_big_ints(values, file, lines, big_ints)
@@ -166,7 +166,7 @@ def _merge_schema(schema, rows, file, lines, big_ints):
 
 def _note_big_ints(values: pa.StructArray, file, lines: list[int], big_ints: dict) -> None:
     """The first integer past 2^53 of each integer column of a block, with its line, unless
-    one is noted already: a float under the same key elsewhere would round it (_unify)."""
+    one is noted already: a float under the same key elsewhere would round it (unify)."""
     for i, fld in enumerate(values.type):
         if not pa.types.is_integer(fld.type) or (str(file), fld.name) in big_ints:
             continue
@@ -217,7 +217,7 @@ def renamed(fld: pa.Field, name: str) -> pa.Field:
                     {**(fld.metadata or {}), SOURCE_NAME: fld.name.encode()})
 
 
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """Give a block the input's full schema: missing columns as nulls, same types and order."""
     arrays, fields = [], []
     for fld in schema:

@@ -47,16 +47,16 @@ Where each piece lives:
 from pipelines.write.counts import (COUNTED, COUNTED_IF_PRESENT, RECORD_SCHEMA, STEP_NUMBERS,
                                     add_steps, count_part, part_steps, read_part,
                                     summarize_part)
-from pipelines.write.parts import _RETRY_OLD  # noqa: F401 (the retry tests stage its files)
-from pipelines.write.parts import (PART_PREFIX, PART_SUFFIX, Part, count_runs, covered_blocks,
-                                   input_offsets, list_parts, missing_rows, part_name,
-                                   part_ordinal, part_range)
+from pipelines.write.parts import (PART_PREFIX, PART_SUFFIX, RETRY_OLD, Part, count_runs,
+                                   covered_blocks, input_offsets, list_parts, missing_rows,
+                                   part_name, part_ordinal, part_range)
 from pipelines.write.retries import RetryWriter
 from pipelines.write.store import OutputStore, diff_fingerprints, write_atomically
 from pipelines.write.writers import PartLayout, PartWriter
 
 __all__ = ["COUNTED", "COUNTED_IF_PRESENT", "PART_PREFIX", "PART_SUFFIX", "RECORD_SCHEMA",
-           "STEP_NUMBERS", "OutputStore", "Part", "PartLayout", "PartWriter", "RetryWriter", "add_steps",
+           "RETRY_OLD", "STEP_NUMBERS", "OutputStore", "Part", "PartLayout", "PartWriter",
+           "RetryWriter", "add_steps",
            "count_part", "count_runs", "covered_blocks", "diff_fingerprints", "input_offsets",
            "list_parts", "missing_rows", "part_name", "part_ordinal", "part_range", "part_steps",
            "read_part", "summarize_part", "write_atomically"]

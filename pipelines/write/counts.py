@@ -22,7 +22,7 @@ RECORD_SCHEMA = pa.schema([
     ("steps", pa.string())])  # a job with steps: the part's per-step counts (JSON), or null
 
 
-def _timing(block: pa.Table) -> dict:
+def timing(block: pa.Table) -> dict:
     """Which replica generated the block, and when (the predictor's columns)."""
     if columns.REPLICA not in block.column_names:
         return {"replica": None, "ready_at": None, "done_at": None, "written_at": time.time()}

@@ -25,11 +25,11 @@ PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 _PART = re.compile(r"part-(\d{12})(?:-(\d{12}))?\.parquet")
 # --retry-errors: a block's committed rows, staged while its failed rows run again (hidden:
 # never listed as a part; the commit clears it)
-_RETRY_OLD = ".retry-{:012d}.parquet"
+RETRY_OLD = ".retry-{:012d}.parquet"
 # Some of an input row's samples, kept aside until the rest arrive (PartWriter): the row's
 # ordinal and its first sample index here (hidden: never listed as a part; the commit clears
 # what a killed run left, and the row runs again)
-_SAMPLES_PIECE = ".samples-{:012d}-{}"
+SAMPLES_PIECE = ".samples-{:012d}-{}"
 
 
 def part_name(start: int, end: int | None = None) -> str:

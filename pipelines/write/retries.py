@@ -14,11 +14,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipelines.write.counts import RECORD_SCHEMA, count_part, read_part
-from pipelines.write.parts import _RETRY_OLD, input_offsets, part_name
-from pipelines.write.writers import PartLayout, _Writer
+from pipelines.write.parts import RETRY_OLD, input_offsets, part_name
+from pipelines.write.writers import PartLayout, Writer
 from udfs import columns
 
-class RetryWriter(_Writer):
+class RetryWriter(Writer):
     """``map_batches`` callable (one actor) for --retry-errors: a block's re-run rows are
     gathered until all have arrived, then merged with the block's committed rows (staged by
     ``OutputStore.open_retry``) and written as the block's part."""
@@ -82,7 +82,7 @@ class RetryWriter(_Writer):
 
     def _merge(self, start: int, ordinals: pa.Array, rows: pa.Table) -> pa.Table:
         """The block's committed rows with ``rows`` (re-run) in place of the old ones."""
-        old = read_part(self.staging / _RETRY_OLD.format(start))
+        old = read_part(self.staging / RETRY_OLD.format(start))
         old_offsets = input_offsets(old.column(self.layout.key_column).to_pylist())
         positions = [o - start for o in ordinals.to_pylist()]  # re-run input rows
         taken = set(positions)

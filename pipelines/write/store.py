@@ -24,7 +24,7 @@ from pipelines.changes import diff_fingerprints, what_changed
 from pipelines.errors import OutputError, one_line
 from pipelines.storage import Location, hold_lock, scrub_record
 from pipelines.write.counts import read_part
-from pipelines.write.parts import (_RETRY_OLD, Part, covered_blocks, input_offsets, list_parts,
+from pipelines.write.parts import (RETRY_OLD, Part, covered_blocks, input_offsets, list_parts,
                                    missing_rows, part_name)
 from udfs import columns
 
@@ -219,7 +219,7 @@ class OutputStore:
                 continue
             stage_clean()
             old = whole.take(pa.array(rows, pa.int64()))
-            (self.staging / _RETRY_OLD.format(int(start))).write(
+            (self.staging / RETRY_OLD.format(int(start))).write(
                 lambda tmp, old=old: pq.write_table(old, tmp))
             retry[int(start)] = bad
         stage_clean()

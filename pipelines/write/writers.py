@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 from pipelines.request_key import request_keys
 from pipelines.storage import Location
-from pipelines.write.counts import RECORD_SCHEMA, _timing, count_part, read_part
-from pipelines.write.parts import _SAMPLES_PIECE, part_name, part_range
+from pipelines.write.counts import RECORD_SCHEMA, count_part, read_part, timing
+from pipelines.write.parts import SAMPLES_PIECE, part_name, part_range
 from udfs import columns
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class PartLayout:
         return self.block_starts[i] if i < len(self.block_starts) else self.rows_total
 
 
-class _Writer:
+class Writer:
     def __init__(self, layout: PartLayout):
         self.layout = layout
         self.staging = Location.of(layout.staging)
@@ -95,7 +95,7 @@ class _Writer:
         counted = count_part(part, self.layout.key_column)
         if counted["steps"] is not None:  # the record is an Arrow row: the counts as JSON
             counted["steps"] = json.dumps(counted["steps"])
-        return {"part": name, **_timing(block), **counted}
+        return {"part": name, **timing(block), **counted}
 
     def _drop(self, block: pa.Table, part: pa.Table) -> pa.Table:
         """A job with steps: the rows its filters dropped left out, unless it keeps them."""
@@ -104,7 +104,7 @@ class _Writer:
         return part.filter(pc.invert(block.column(columns.DROPPED)))
 
 
-class PartWriter(_Writer):
+class PartWriter(Writer):
     """``map_batches`` callable (a pool of them): writes what it is handed at once, one part
     per run of consecutive input rows of one block, and returns one small row per part for
     the driver's progress and report. Ray Data may hand a block over in pieces (a GPU stage
@@ -118,7 +118,7 @@ class PartWriter(_Writer):
         steps = (json.loads(batch.column(columns.STEP_COUNTS)[0].as_py())
                  if columns.STEP_COUNTS in batch.column_names and batch.num_rows else None)
         batch, pieces = _whole_rows(batch)
-        for rows in _runs(batch.column(columns.ORDINAL), self.layout.block_starts):
+        for rows in runs(batch.column(columns.ORDINAL), self.layout.block_starts):
             records.append(self._write_run(batch.take(rows), steps))
             if steps is not None:
                 steps = []  # the batch's other parts: their input rows, no counts again
@@ -142,7 +142,7 @@ class PartWriter(_Writer):
         this writer or another of the pool). Returns the row's samples, all of them in sample
         order, when this piece completes it (its pieces then removed), else None. Two writers
         completing it at once write the same part, whole, under the same name."""
-        prefix = _SAMPLES_PIECE.format(ordinal, "")
+        prefix = SAMPLES_PIECE.format(ordinal, "")
         first = piece.column(columns.SAMPLE_INDEX)[0].as_py()
         (self.staging / f"{prefix}{first:06d}.parquet").write(
             lambda tmp: pq.write_table(piece, tmp))
@@ -185,7 +185,7 @@ def _whole_rows(batch: pa.Table) -> tuple[pa.Table, list[tuple[int, pa.Table]]]:
     return batch.filter(pa.array(~cut)), pieces
 
 
-def _runs(ordinals: pa.ChunkedArray | pa.Array, block_starts: tuple[int, ...]) -> list:
+def runs(ordinals: pa.ChunkedArray | pa.Array, block_starts: tuple[int, ...]) -> list:
     """The batch's rows as runs of consecutive ordinals within one block, each in input
     order (a row's samples share its ordinal and stay in sample order)."""
     values = np.asarray(ordinals.to_numpy() if isinstance(ordinals, pa.Array)

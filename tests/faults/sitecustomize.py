@@ -26,7 +26,7 @@ if FAULT:
 
     import udfs.vllm_engine as engine_module
 
-    _add = engine_module._Stepper._add
+    _add = engine_module.Stepper._add
     _seen = {"adds": 0}
     marker = os.environ.get("OVERNIGHT_TEST_FAULT_MARKER", "")
     after = int(os.environ.get("OVERNIGHT_TEST_FAULT_AFTER", "20"))
@@ -55,4 +55,4 @@ if FAULT:
             time.sleep(3600)
         return _add(self, batch, index)
 
-    engine_module._Stepper._add = _faulty_add
+    engine_module.Stepper._add = _faulty_add

@@ -1,0 +1,62 @@
+"""The server's child processes, by process group and session (Linux): a child dies with the
+thread that started it, and what a child started is found, and killed, by the group or session
+it shares with it. The runner's batch children and batch workers (serve/runner.py,
+serve/worker.py) and the resident engine (serve/engine.py) use them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
+    """Linux: the child gets SIGKILL when the thread that started it (the runner's, alive as
+    long as the server) dies, so a killed server leaves no orphan engine behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def kill_session(child: subprocess.Popen) -> None:
+    """A child (started in a session of its own) and every process of its session killed,
+    reaped, and waited for (30 s at most)."""
+    for pid in session(child.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    child.wait()
+    deadline = time.monotonic() + 30
+    while session(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def session(sid: int) -> list[int]:
+    """The live processes of a session (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def group(pgid: int) -> list[bytes]:
+    """The command lines of the live processes in a process group (Linux /proc)."""
+    commands = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                commands.append((stat.parent / "cmdline").read_bytes())
+        except (OSError, IndexError, ValueError):
+            continue
+    return commands
