@@ -41,7 +41,7 @@ POOLING_TESTS := tests/test_http_pooling.py tests/test_pooling.py
 TEST_WORKERS ?= 2
 PARALLEL := OMP_WAIT_POLICY=PASSIVE
 test: setup models/smollm2/config.json browser
-	$(PARALLEL) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
+	$(PARALLEL) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30 \
 	  $(addprefix --ignore=,$(POOLING_TESTS))
 	$(BIN)/python -m pytest -q -m serial $(addprefix --ignore=,$(POOLING_TESTS))
 	$(PARALLEL) $(BIN)/python -m pytest -q -n 2 --dist loadfile $(POOLING_TESTS)
