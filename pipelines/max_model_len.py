@@ -19,11 +19,12 @@ is followed here on the config's JSON, so that the driver imports neither vLLM n
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from pipelines.errors import ConfigError
+
+from udfs.chat_content import json_object
 
 # vLLM's possible_keys, in its order
 LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -54,7 +55,7 @@ def derived_length(config: dict, folder: Path | None = None,
     if _number(text.get("model_max_length")):
         length, key = text["model_max_length"], "model_max_length"
     if pooling and text.get("position_embedding_type") == "absolute" and folder is not None:
-        tokenizer = _json(folder / "tokenizer_config.json").get("model_max_length")
+        tokenizer = json_object(folder / "tokenizer_config.json").get("model_max_length")
         if _number(tokenizer) and (length is None or tokenizer < length):
             length, key = tokenizer, "model_max_length in tokenizer_config.json"
     if length is None:
@@ -67,7 +68,7 @@ def derived_length(config: dict, folder: Path | None = None,
                 factor = rope.get("factor", factor) or 1.0
     length = length * factor
     if pooling and folder is not None:
-        sentence = _json(folder / "sentence_bert_config.json").get("max_seq_length")
+        sentence = json_object(folder / "sentence_bert_config.json").get("max_seq_length")
         if _number(sentence):
             length, key = sentence, "max_seq_length in sentence_bert_config.json"
     return int(length), key
@@ -110,9 +111,3 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}

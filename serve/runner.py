@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 
 from pipelines.storage import Location
 from pipelines.write import list_parts
-from serve.processes import die_with_parent, group, kill_session
+from serve.processes import die_with_parent, group, kill_group, kill_session
 from serve.store import ERRORS, INPUT, RESULTS, Store
 from serve.validate import check_input_file
 from serve.worker import Worker, WorkerRun
@@ -201,7 +201,7 @@ class Runner:
     def _stop_child(self, batch_id: str) -> None:
         child = self.running.pop(batch_id, None)
         if child is not None:
-            _stop(child)
+            kill_group(child)
             self.store.set_child(batch_id, None)
 
     def _guard(self, batch_id: str, step, *args) -> None:
@@ -471,20 +471,6 @@ def engine_turn(endpoint: str | None, *, shares_gpu: bool, running: list[str | N
     if EMBEDDINGS in running:
         return WAIT
     return START if loaded else LOAD
-
-
-def _stop(child: subprocess.Popen) -> None:
-    """The child's whole process group killed at once. Its parts are committed atomically, so
-    a hard stop loses nothing written; a SIGINT first was measured to let the job's Ray actors
-    go on writing parts for seconds (a cancelled 30,000-request batch finished all of them)."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    child.wait()
-    deadline = time.monotonic() + 30
-    while group(child.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _stop_stale_child(store: Store, batch_id: str) -> None:

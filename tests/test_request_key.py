@@ -219,17 +219,15 @@ def test_a_key_column_of_any_type_makes_keys():
 
 # -- what the fingerprint holds of the model's and an adapter's files
 
-def _model_copy(tmp_path: Path) -> Path:
+def _model_copy(tmp_path: Path, source: Path) -> Path:
     model = tmp_path / "model"
-    shutil.copytree(REPO / "models" / "tiny", model)
+    shutil.copytree(source, model)
     return model
 
 
 @pytest.fixture
-def tiny_copy(tmp_path):
-    if not (REPO / "models" / "tiny" / "config.json").is_file():
-        pytest.skip("models/tiny is built by make setup")
-    return _model_copy(tmp_path)
+def tiny_copy(tmp_path, tiny_model):
+    return _model_copy(tmp_path, Path(tiny_model))
 
 
 def test_a_model_directory_is_named_by_its_files(tiny_copy):

@@ -205,8 +205,8 @@ def image_placeholder(model: str, trust_remote_code: bool = False):
             cls = None
         if cls is not None and hasattr(cls, "get_placeholder_str"):
             return functools.partial(_vllm_placeholder, cls)
-    token = (_json(Path(model) / "processor_config.json").get("image_token")
-             or _json(Path(model) / "tokenizer_config.json").get("image_token") or "<image>")
+    token = (json_object(Path(model) / "processor_config.json").get("image_token")
+             or json_object(Path(model) / "tokenizer_config.json").get("image_token") or "<image>")
     return lambda n: token
 
 
@@ -218,10 +218,11 @@ def _vllm_placeholder(cls, n: int) -> str:
 
 
 def _config(model: str) -> dict:
-    return _json(Path(model) / "config.json")
+    return json_object(Path(model) / "config.json")
 
 
-def _json(path: Path) -> dict:
+def json_object(path: Path) -> dict:
+    """A JSON file's object; {} where it is missing, unreadable or not an object."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -247,7 +248,7 @@ class TemplateOnly:
 
     def __init__(self, model: str):
         folder = Path(model)
-        settings = _json(folder / "tokenizer_config.json")
+        settings = json_object(folder / "tokenizer_config.json")
         self.chat_template = _template_in(folder, settings)
         self.special = special_tokens(folder, settings)
         self.missing_names: set[str] = set()
@@ -282,7 +283,7 @@ def special_tokens(folder: Path, settings: dict) -> dict[str, str]:
     ``added_tokens_decoder`` (an older layout; with one, 5.x reads the config's alone, and
     the map here only names what the config does not)."""
     found: dict[str, str] = {}
-    older = _json(folder / "special_tokens_map.json")
+    older = json_object(folder / "special_tokens_map.json")
     sources = ([older, settings] if "added_tokens_decoder" in settings
                else [settings, older])  # (the later source wins)
     for source in sources:
@@ -324,7 +325,7 @@ def _template_in(folder: Path, settings: dict) -> str | None:
         return (folder / "chat_template.jinja").read_text(encoding="utf-8")
     except OSError:
         pass
-    found = settings.get("chat_template") or _json(folder / "chat_template.json").get(
+    found = settings.get("chat_template") or json_object(folder / "chat_template.json").get(
         "chat_template")  # (the last: a processor's, in an older layout)
     if isinstance(found, list):  # named templates: the default one
         found = next((t.get("template") for t in found if isinstance(t, dict)
