@@ -41,8 +41,8 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm.sampling_params import StructuredOutputsParams
 
-    from pipelines.tiny_model import build_tiny_model
-    from udfs.logprobs import confidence_top_k
+    from pipelines.tools.tiny_model import build_tiny_model
+    from udfs.rows.logprobs import confidence_top_k
 
     model = str(build_tiny_model(scratch / "tiny"))
     labels = args.labels.split(",")

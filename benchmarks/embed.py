@@ -50,9 +50,9 @@ def render(config: dict) -> list[list[int]]:
     import pyarrow.parquet as pq
 
     from pipelines.config import load_config
-    from pipelines.preflight import plan_job
+    from pipelines.plan.preflight import plan_job
     from udfs import columns
-    from udfs.prompts import PromptRenderer
+    from udfs.stages.prompts import PromptRenderer
 
     plan = plan_job(load_config(config))
     rendered = PromptRenderer(plan.render)(pq.read_table(config["input"]["path"]))
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "embed.json"))
     args = ap.parse_args()
 
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

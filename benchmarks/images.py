@@ -201,7 +201,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from pipelines.tiny_model import build_tiny_vision_model
+    from pipelines.tools.tiny_model import build_tiny_vision_model
 
     model = str(build_tiny_vision_model(args.work / "vision"))
     paths = photos(args.work, args.distinct)

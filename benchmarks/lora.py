@@ -42,7 +42,7 @@ KV = 1 << 30
 
 def build(work: Path, adapters: int) -> tuple[str, dict[str, str]]:
     """The bench model and its adapters, made once."""
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     model = work / "model"
     if not (model / "config.json").exists():

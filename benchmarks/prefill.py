@@ -54,7 +54,7 @@ def job(model: str, source: Path, out: Path, max_tokens: int) -> dict:
 
 def workload(work: Path, rows: int, row_group: int) -> tuple[Path, Path]:
     """The tiny model and the table, in ``work`` (each built once)."""
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     work.mkdir(parents=True, exist_ok=True)
     tiny = work / "tiny-model"
@@ -70,8 +70,8 @@ def conversations(config: dict) -> list[list[dict]]:
     import pyarrow.parquet as pq
 
     from pipelines.config import load_config
-    from pipelines.preflight import plan_job
-    from udfs.prompts import PromptRenderer
+    from pipelines.plan.preflight import plan_job
+    from udfs.stages.prompts import PromptRenderer
 
     renderer = PromptRenderer(plan_job(load_config(config)).render)
     rows = pq.read_table(config["input"]["path"], columns=renderer.variables).to_pylist()

@@ -5,7 +5,7 @@
 
 On the prompts prefill.py rendered (its spec-K.json), each in a fresh process, the time of the
 generation alone:
-  engine     overnight's VLLMEngine (udfs/vllm_engine.py: the stepper thread, requests added
+  engine     overnight's VLLMEngine (udfs/engines/vllm_engine.py: the stepper thread, requests added
              as slots free) fed 256-request blocks from --threads threads, in a plain process;
   ray-actor  the same inside a Ray actor of 1 CPU, as the pipeline's engine runs (no Ray Data,
              no rendering, no reading or writing).
@@ -30,8 +30,8 @@ def engine_time(spec_path: str, threads: int) -> float:
     """Seconds to generate every prompt through VLLMEngine, blocks of 256 from ``threads``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(REPO))
-    from udfs.engine import EngineSpec, GenerationRequest
-    from udfs.vllm_engine import VLLMEngine
+    from udfs.engines.engine import EngineSpec, GenerationRequest
+    from udfs.engines.vllm_engine import VLLMEngine
 
     spec = json.loads(Path(spec_path).read_text())
     engine = VLLMEngine(EngineSpec("vllm", spec["model"], {

@@ -40,7 +40,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 # the first of the scope's rules that a frame matches; in our own modules the source line of
 # the innermost frame there decides (a C call such as to_pylist has no frame of its own).
 SCOPES = [
-    ("render", "udfs/prompts.py", [
+    ("render", "udfs/stages/prompts.py", [
         ("chat template (Jinja)", ["apply_chat_template"]),
         ("row template (Jinja)", ["jinja2", "<template>"]),
         ("tokenizer encode", ["tokeniz"]),
@@ -57,14 +57,14 @@ SCOPES = [
                             "attention"]),
         ("model: sampling", ["sample"]),
     ], []),
-    ("stepper", "udfs/vllm_engine.py", [], [("queue, heap", ["heap", "waiting", "inbox"]),
+    ("stepper", "udfs/engines/vllm_engine.py", [], [("queue, heap", ["heap", "waiting", "inbox"]),
                                              ("live counts", ["_count_live", "num_output"])]),
-    ("predictor", "udfs/predictor.py", [("request building", ["_request ("])], [
+    ("predictor", "udfs/stages/predictor.py", [("request building", ["_request ("])], [
         ("to_pylist", ["to_pylist"]), ("request building", ["_request("]),
         ("malloc_trim", ["release_free_memory", "malloc_trim"]),
         ("result assembly, pa.array", ["pa.array", "append_column", "rows_of",
                                        "drop_columns", "result"])]),
-    ("recovery", "udfs/recovery.py", [], []),
+    ("recovery", "udfs/engines/recovery.py", [], []),
     ("Ray Data", "ray/data/", [], []),
     ("Ray", "site-packages/ray/", [], []),
 ]

@@ -147,14 +147,14 @@ def _write(writer, path: Path, tables: list):
 
 def _same_prompts(spec: dict, tokenizer) -> bool:
     """After the timed loop: the first 1,000 rows' token ids, the loop's against the product's
-    own renderer (udfs/prompts.py), so that both arms did the same work."""
+    own renderer (udfs/stages/prompts.py), so that both arms did the same work."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from pipelines.config import load_config
-    from pipelines.preflight import plan_job
+    from pipelines.plan.preflight import plan_job
     from udfs import columns
-    from udfs.prompts import PromptRenderer
+    from udfs.stages.prompts import PromptRenderer
 
     batch = next(pq.ParquetFile(spec["files"][0]).iter_batches(batch_size=1000))
     ours = PromptRenderer(plan_job(load_config(spec["config"])).render)(
@@ -312,7 +312,7 @@ def _requests(log: Path) -> int:
 
 def scratch_with_model(scratch: str) -> tuple[Path, Path]:
     """The scratch folder, and the tiny model built in it once."""
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     work = Path(scratch)
     work.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ exactly ``--max-tokens`` (``ignore_eos``):
 
 - **one step:** ``rewrite`` alone;
 - **three steps:** ``rewrite`` -> ``label`` (over the rewrite) -> ``pitch`` (over both), one
-  job (udfs/steps.py): one engine, every step's requests in its queue together;
+  job (udfs/stages/steps.py): one engine, every step's requests in its queue together;
 - **chained by hand:** the same three steps as three single-step jobs, each reading the output
   of the one before (three engines started, two intermediate tables).
 

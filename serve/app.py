@@ -3,7 +3,7 @@ error objects (``{"error": {"message", "type", "param", "code"}}``), behind bear
 Anthropic's ``/v1/messages/batches`` (serve/anthropic.py) behind the same keys as
 ``x-api-key``; and the
 pages (``/ui``): a key's batches, and each batch's job as ``overnight view`` shows it
-(pipelines/view.py), its data behind the same keys at ``/v1/batches/{id}/view/...``.
+(pipelines/report/view.py), its data behind the same keys at ``/v1/batches/{id}/view/...``.
 
 A key's objects are invisible to every other key: a lookup by another key is a 404, the same
 answer as for an id that never existed.
@@ -33,12 +33,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from pipelines import view
+from pipelines.report import view
 from serve import anthropic
 from serve.runner import Runner
 from serve.store import INPUT, RESULTS, Store, new_id
 
-# what ``overnight batch`` runs (embeddings as a task: embed job, pipelines/batch_embeddings.py)
+# what ``overnight batch`` runs (embeddings as a task: embed job, pipelines/batchfile/embeddings.py)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 WINDOW = 24 * 3600  # the hosted API's only completion_window, "24h"
 JSON_LIMIT = 1 << 20  # a body other than an upload or a message batch (a create call: ~10 kB)
@@ -379,7 +379,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _invalid_value(message: str, param: str | None) -> dict:
-    """A caller's filter refused (pipelines/view.py: refused), as the API's error object."""
+    """A caller's filter refused (pipelines/report/view.py: refused), as the API's error object."""
     return error_body(message, param=param, code="invalid_value")
 
 

@@ -1,6 +1,6 @@
 """The resident engine: ``vllm serve`` on loopback, started once with the server and kept
 loaded between batches. Every batch's job sends its requests to it (``engine.kind: http``,
-udfs/http_engine.py), so a batch starts generating without loading a model, and several
+udfs/engines/http_engine.py), so a batch starts generating without loading a model, and several
 batches share one engine's continuous batching.
 
 Why a server process and not engine actors in the server's own Ray: a batch stays an
@@ -47,13 +47,13 @@ START_TIMEOUT_S = 1800.0  # a large model's weights load for minutes on a GPU bo
 def resident_settings(model: str, config: dict) -> tuple[list[str], dict[str, str]]:
     """``vllm serve``'s command-line flags and environment for the ``model`` and ``engine``
     sections of a job config: the keyword arguments the in-process engine passes to
-    ``vllm.LLM`` (udfs/vllm_engine.py), as flags."""
+    ``vllm.LLM`` (udfs/engines/vllm_engine.py), as flags."""
     from pydantic import ValidationError
 
     from pipelines.config.engine import VLLMEngineConfig
     from pipelines.config.sections import ModelConfig
-    from pipelines.preflight import resolve_max_model_len, vllm_engine_options
-    from udfs.vllm_engine import llm_kwargs, on_cpu
+    from pipelines.plan.preflight import resolve_max_model_len, vllm_engine_options
+    from udfs.engines.vllm_engine import llm_kwargs, on_cpu
 
     try:
         model_config = ModelConfig(**{**(config.get("model") or {}), "name": model})
@@ -66,7 +66,7 @@ def resident_settings(model: str, config: dict) -> tuple[list[str], dict[str, st
                                           model_config.trust_remote_code)
     options = vllm_engine_options(model_config, engine, max_model_len)
     cpu = on_cpu()
-    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}  # as udfs/vllm_engine.py sets it
+    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}  # as udfs/engines/vllm_engine.py sets it
     multiprocessing = options.pop("multiprocessing", None)
     if multiprocessing is not None or cpu:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
@@ -107,7 +107,7 @@ class ResidentEngine:
     for the next generation batch (``release``, ``acquire``)."""
 
     def __init__(self, data_dir: Path, model: str, served_model: str, config: dict):
-        from udfs.vllm_engine import on_cpu
+        from udfs.engines.vllm_engine import on_cpu
 
         self.data_dir, self.model, self.served_model = Path(data_dir), model, served_model
         self.flags, self.env = resident_settings(model, config)

@@ -28,7 +28,7 @@ KV_CACHE = 128 << 20
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(_SCRATCH / "tiny-model"))
 
@@ -77,7 +77,7 @@ CLASSIFIER_LABELS = ["negative", "neutral", "positive"]
 @pytest.fixture(scope="session")
 def tiny_classifier() -> str:
     """A tiny LlamaForSequenceClassification with three labels (id2label)."""
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(_SCRATCH / "tiny-classifier", labels=CLASSIFIER_LABELS))
 
@@ -85,7 +85,7 @@ def tiny_classifier() -> str:
 @pytest.fixture(scope="session")
 def tiny_scorer() -> str:
     """A tiny one-output sequence classifier: a cross-encoder, as vLLM's score API needs."""
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(_SCRATCH / "tiny-scorer", labels=["relevance"]))
 

@@ -15,10 +15,10 @@ import polars as pl
 import pytest
 
 from pipelines import load_config, run_job
-from pipelines.batch import run_batch_file
+from pipelines.batchfile.batch import run_batch_file
 from pipelines.errors import ConfigError, JobError
-from pipelines.preflight import plan_job
-from udfs.prompts import PromptRenderer
+from pipelines.plan.preflight import plan_job
+from udfs.stages.prompts import PromptRenderer
 
 from conftest import KV_CACHE, REPO, job_config
 
@@ -173,7 +173,7 @@ def test_the_report_counts_rows_and_tokens_per_adapter(lora_job, root):
                 for (name,), g in done.group_by("lang")}
     assert report["adapters"] == dict(sorted(expected.items()))
     assert report["adapters"]["de"]["rows"] == 8
-    from pipelines.report import report_lines
+    from pipelines.report.run_report import report_lines
 
     assert "adapter      de: 8 rows, " in "\n".join(report_lines(report))
 

@@ -6,10 +6,10 @@ import polars as pl
 import pytest
 
 from pipelines import load_config, run_dataframe
-from pipelines.preflight import plan_job
+from pipelines.plan.preflight import plan_job
 from udfs import columns
 from udfs.columns import FinishReason
-from udfs.prompts import PromptRenderer
+from udfs.stages.prompts import PromptRenderer
 
 from conftest import job_config
 

@@ -1,5 +1,5 @@
-"""Every Arrow type where input values meet polars (udfs/to_polars.py): the id column's check
-(pipelines/read/scan.py: IdDigest, pipelines/preflight.py: _repeated_ids) and the conversion
+"""Every Arrow type where input values meet polars (udfs/rows/to_polars.py): the id column's check
+(pipelines/read/scan.py: IdDigest, pipelines/plan/preflight.py: _repeated_ids) and the conversion
 a filter and a row hash read. A decimal256 column (a BigQuery BIGNUMERIC export) made polars
 panic: every run of a template reading it stopped, and as an id column `validate` printed a
 traceback; a float id column with two NaNs passed as unique.
@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from udfs import to_polars
+from udfs.rows import to_polars
 
 D = decimal.Decimal
 
@@ -178,7 +178,7 @@ def test_every_arrow_type_reaches_polars_with_rows_equal_exactly_where_they_were
 
 
 def test_a_decimal256_is_read_exactly_and_the_filter_compares_it_as_a_number():
-    from udfs.steps import where_mask
+    from udfs.stages.steps import where_mask
 
     narrow = pa.array([D("1.25"), D("100.50"), None], pa.decimal256(20, 2))
     wide = pa.array([D("1" * 40 + ".5"), None, D("-0.5")], pa.decimal256(76, 1))
@@ -204,7 +204,7 @@ def test_the_id_check_takes_every_type_and_finds_every_repeat_null_and_nan(array
     writer's count of a part's rows by their ids right (a map's once raised); never a
     traceback. (-0.0 and 0.0 are left out: whether they are one id is a choice, not a
     finding; so are maps, whose entries' order polars' hash reads.)"""
-    from pipelines.preflight import _repeated_ids
+    from pipelines.plan.preflight import _repeated_ids
     from pipelines.read import scan_input
     from pipelines.write.parts import count_runs
 

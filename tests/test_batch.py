@@ -15,8 +15,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pipelines.batch import _openai_logprobs, run_batch_file
-from udfs.logprobs import token_bytes_of
+from pipelines.batchfile.batch import _openai_logprobs, run_batch_file
+from udfs.rows.logprobs import token_bytes_of
 
 from conftest import KV_CACHE
 

@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import batch_embeddings
-from pipelines.batch import prepare, run_batch_file
+from pipelines.batchfile import embeddings as batch_embeddings
+from pipelines.batchfile.batch import prepare, run_batch_file
 
 from conftest import KV_CACHE
 

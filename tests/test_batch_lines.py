@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pipelines.batch import (LINE, OVERRIDES, PROMPT, SCHEMA, _error_line, _Reject, jsonl,
+from pipelines.batchfile.batch import (LINE, OVERRIDES, PROMPT, SCHEMA, _error_line, _Reject, jsonl,
                              parse_request, prepare)
 from serve.validate import check_input_file
 
@@ -290,7 +290,7 @@ def _parses_or_rejects(raw: str, fmt: str = "openai") -> str:
             assert isinstance(message["role"], str) and message["role"]
             assert isinstance(message["content"], (str, list))
     if row["kind"] != "embeddings":
-        from udfs.predictor import RowOverrides
+        from udfs.stages.predictor import RowOverrides
 
         RowOverrides.of(row[OVERRIDES])  # the job's own check of a row's sampling passes
     assert row["max_tokens"] is None or 0 <= row["max_tokens"] < MAX_MODEL_LEN
@@ -412,7 +412,7 @@ def test_serves_file_check_never_raises(tmp_path_factory, lines):
 def test_a_line_nested_too_deep_is_skipped_when_a_files_format_is_read(tmp_path):
     """``overnight batch`` reads a file's format from its first JSON object: a first line
     nested too deep for json.loads is not one (it raised RecursionError, a traceback)."""
-    from pipelines.batch import file_format
+    from pipelines.batchfile.batch import file_format
 
     path = tmp_path / "in.jsonl"
     path.write_text("[" * 100_000 + "\n" + json.dumps({"custom_id": "a", "params": {}}) + "\n")

@@ -122,7 +122,7 @@ def test_run_checks_a_local_model_without_importing_torch(job_file):
     # tokenizers library alone): transformers' AutoTokenizer would import torch in the driver
     path = job_file(model={"max_model_len": None})
     probe = ("import sys; from pipelines.config import load_config; "
-             "from pipelines.preflight import plan_job; "
+             "from pipelines.plan.preflight import plan_job; "
              f"plan = plan_job(load_config({str(path)!r})); "
              "print(plan.render.max_model_len, 'torch' in sys.modules, "
              "'transformers' in sys.modules)")
@@ -133,7 +133,7 @@ def test_run_checks_a_local_model_without_importing_torch(job_file):
 
 
 def test_a_local_models_length_is_what_transformers_reads(tiny_model):
-    from pipelines.preflight import _local_model, resolve_max_model_len
+    from pipelines.plan.preflight import _local_model, resolve_max_model_len
 
     models = [tiny_model] + [str(m) for m in [REPO / "models" / "smollm2"]
                              if (m / "config.json").is_file()]

@@ -135,7 +135,7 @@ def test_every_yaml_a_user_writes_refuses_a_key_given_twice(tmp_path: Path):
     with pytest.raises(ConfigError, match=rf"^{path}:3: key 'name' is given twice"):
         load_settings(config=str(path), model=None, overrides=[], data_dir=str(tmp_path),
                       host="127.0.0.1", port=0, max_upload_mb=1)
-    from pipelines.batch import run_batch_file
+    from pipelines.batchfile.batch import run_batch_file
 
     requests = tmp_path / "requests.jsonl"
     requests.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
@@ -176,7 +176,7 @@ def test_a_job_of_steps_on_a_short_context_takes_each_steps_sampling(tiny_model,
     model with max_model_len <= 256, and its fix (--set sampling.max_tokens) is refused in
     a job of steps: only each step's own max_tokens counts, and the line suggests the step's
     key, which then works."""
-    from pipelines.preflight import plan_job
+    from pipelines.plan.preflight import plan_job
 
     raw = _steps_job(tiny_model, tmp_path)
     with pytest.raises(ConfigError) as caught:  # judge's own default, 256
@@ -190,7 +190,7 @@ def test_a_job_of_steps_on_a_short_context_takes_each_steps_sampling(tiny_model,
 
 
 def test_a_one_step_jobs_max_tokens_suggestion_works(tiny_model, tmp_path):
-    from pipelines.preflight import plan_job
+    from pipelines.plan.preflight import plan_job
 
     raw = _steps_job(tiny_model, tmp_path)
     del raw["steps"]
@@ -202,7 +202,7 @@ def test_a_one_step_jobs_max_tokens_suggestion_works(tiny_model, tmp_path):
 
 def test_max_model_len_past_the_models_own_is_refused_before_any_engine(tiny_model, tmp_path,
                                                                        monkeypatch):
-    from pipelines.preflight import plan_job
+    from pipelines.plan.preflight import plan_job
 
     raw = _steps_job(tiny_model, tmp_path)
     raw["steps"][1]["sampling"] = {"max_tokens": 8}
@@ -240,7 +240,7 @@ def test_max_model_len_past_the_models_own_is_refused_before_any_engine(tiny_mod
     ({"vocab_size": 10}, None),  # no length: vLLM takes what it is given
 ])
 def test_the_models_limit_is_derived_as_vllm_derives_it(config, expected):
-    from pipelines.max_model_len import derived_length
+    from pipelines.plan.max_model_len import derived_length
 
     found = derived_length(config)
     if expected is None or expected[1] is None:

@@ -1,4 +1,4 @@
-"""The view pages' row filter (pipelines/filters.py): SQL's small language of conditions built
+"""The view pages' row filter (pipelines/report/filters.py): SQL's small language of conditions built
 into a polars expression from an allow-list, never through polars' SQL (whose subqueries read
 files, and whose errors print what they read). Pure functions, no engine: a fuzz of the parser
 and a comparison with polars' own SQL over filters both take."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.filters import MAX_DEPTH, MAX_LENGTH, FilterError, filter_expr
+from pipelines.report.filters import MAX_DEPTH, MAX_LENGTH, FilterError, filter_expr
 
 FRAME = pl.DataFrame({
     "title": ["Lamp 1", "Lamp 10", "a\nb", None, "50% off", "it's"],

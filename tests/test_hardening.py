@@ -19,7 +19,7 @@ import yaml
 
 from pipelines.cli import main
 from pipelines.config import load_config
-from pipelines.preflight import plan_job
+from pipelines.plan.preflight import plan_job
 from pipelines.write import OutputStore, part_name
 from udfs.columns import ErrorKind
 
@@ -85,7 +85,7 @@ def hardened(tiny_model, ray_cluster, tmp_path_factory):
 
 def test_dtype_auto_on_a_cpu_is_what_the_processor_runs_fast_and_the_report_says_so(
         hardened, capsys):
-    from udfs.platform import auto_dtype
+    from udfs.engines.platform import auto_dtype
 
     root, path, _ = hardened
     code, out, _ = cli("report", root / "out", capsys=capsys)

@@ -109,7 +109,7 @@ def test_a_null_inside_a_struct_or_list_follows_on_null_and_never_prints_none(jo
 
 
 def test_a_template_may_test_and_default_a_nested_null(tiny_model):
-    from udfs.prompts import compile_template, render_template
+    from udfs.stages.prompts import compile_template, render_template
 
     template, _ = compile_template(
         "{{ meta.color | default('n/a') }}|{{ 'none' if meta.color is none }}|"
@@ -163,7 +163,7 @@ def test_a_filter_a_row_breaks_is_its_error_and_an_empty_array_is_dropped(
     report = json.loads((root / "out.report.json").read_text())
     assert report["rows"]["ok"] == 0 and report["rows"]["dropped"] == 2
     assert report["rows"]["errors"] == 1
-    from pipelines.pipeline import RunSummary  # the summary run prints and records agrees
+    from pipelines.job.pipeline import RunSummary  # the summary run prints and records agrees
     summary = RunSummary(**json.loads((root / "out.overnight.json").read_text())["summary"])
     assert (summary.rows_ok, summary.dropped) == (0, 2)
     assert "(0 ok, 0 skipped, 2 dropped by a step, 1 with errors" in summary.lines()[0]
@@ -175,7 +175,7 @@ def test_a_filter_a_row_breaks_is_its_error_and_an_empty_array_is_dropped(
 def test_a_filter_sees_only_the_columns_it_names_and_a_row_it_cannot_read_fails_alone():
     import decimal
 
-    from udfs.steps import where_mask
+    from udfs.stages.steps import where_mask
 
     table = pa.table({"wide": pa.array([decimal.Decimal("1.5")] * 3, pa.decimal256(40, 2)),
                       "rating": ["4", "good", None], "n": [1, 2, 3]})

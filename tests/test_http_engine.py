@@ -14,11 +14,11 @@ import pytest
 
 from pipelines import load_config, run_job
 from pipelines.errors import JobError
-from pipelines.preflight import plan_job
+from pipelines.plan.preflight import plan_job
 from udfs.columns import ErrorKind
-from udfs.engine import EngineSpec, GenerationRequest, build_engine
-from udfs.logprobs import label_masses
-from udfs.prompts import PromptRenderer
+from udfs.engines.engine import EngineSpec, GenerationRequest, build_engine
+from udfs.rows.logprobs import label_masses
+from udfs.stages.prompts import PromptRenderer
 
 from conftest import KV_CACHE, job_config
 from servers import TooManyRequestsStub, VLLMServer, free_port

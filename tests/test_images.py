@@ -22,7 +22,7 @@ import pytest
 
 from pipelines import load_config, run_job
 from pipelines.errors import ConfigError, InputError
-from pipelines.preflight import plan_job
+from pipelines.plan.preflight import plan_job
 
 from conftest import KV_CACHE, job_config
 
@@ -59,7 +59,7 @@ def data_url(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def vision_model(tmp_path_factory) -> str:
-    from pipelines.tiny_model import build_tiny_vision_model
+    from pipelines.tools.tiny_model import build_tiny_vision_model
 
     return str(build_tiny_vision_model(tmp_path_factory.mktemp("vision") / "model"))
 
@@ -180,7 +180,7 @@ DETECTED = [
 @pytest.fixture(scope="module")
 def string_model(vision_model, tmp_path_factory) -> str:
     """The tiny vision model with a template that takes a message's content as one string."""
-    from pipelines.tiny_model import VISION_STRING_CHAT_TEMPLATE, with_chat_template
+    from pipelines.tools.tiny_model import VISION_STRING_CHAT_TEMPLATE, with_chat_template
 
     return with_chat_template(vision_model, tmp_path_factory.mktemp("string") / "model",
                               VISION_STRING_CHAT_TEMPLATE)
@@ -200,7 +200,7 @@ def string_job(string_model, parity_job, folder):
 def bare(parity_job, vision_model, string_model, folder) -> dict:
     """Bare LLM.chat on the parity rows, on both models, and vLLM's content formats of
     DETECTED and the models' templates: one process."""
-    from pipelines.tiny_model import VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE
+    from pipelines.tools.tiny_model import VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE
 
     rows, _, _ = parity_job
     conversations = [conversation(r["title"], r["photo_name"],
@@ -241,8 +241,8 @@ def test_a_string_content_template_gets_vllms_text_and_writes_what_llm_chat_writ
 
 
 def test_the_content_format_is_detected_as_vllm_detects_it(bare):
-    from pipelines.tiny_model import VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE
-    from udfs.chat_content import detect_content_format
+    from pipelines.tools.tiny_model import VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE
+    from udfs.stages.chat_content import detect_content_format
 
     templates = [*DETECTED, VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE]
     assert [detect_content_format(t) for t in templates] == bare["formats"]
@@ -251,8 +251,8 @@ def test_the_content_format_is_detected_as_vllm_detects_it(bare):
 
 
 def _renderer(model: str, **spec):
-    from udfs.images import ImageSpec
-    from udfs.prompts import PromptRenderer, RenderSpec
+    from udfs.rows.images import ImageSpec
+    from udfs.stages.prompts import PromptRenderer, RenderSpec
 
     return PromptRenderer(RenderSpec(**{
         "template": TEMPLATE, "tokenizer": model, "max_model_len": 512, "max_tokens": 8,
@@ -304,8 +304,8 @@ def test_a_content_format_that_fails_every_row_is_refused_before_any_engine(
 def test_a_chat_template_that_fails_one_row_fails_that_row_alone(tiny_model, tmp_path):
     """Whatever the chat template raises for one row is that row's render_error; where it
     raises for every row alike (a system message it refuses) pre-flight says so, once."""
-    from pipelines.tiny_model import CHAT_TEMPLATE, with_chat_template
-    from udfs.prompts import PromptRenderer, RenderSpec
+    from pipelines.tools.tiny_model import CHAT_TEMPLATE, with_chat_template
+    from udfs.stages.prompts import PromptRenderer, RenderSpec
 
     picky = with_chat_template(tiny_model, tmp_path / "picky", (
         "{% for m in messages %}{% if m['role'] == 'system' %}"
@@ -329,7 +329,7 @@ def test_a_chat_template_that_fails_one_row_fails_that_row_alone(tiny_model, tmp
 
 
 def test_the_output_and_the_report_count_the_images_and_their_tokens(parity_job, folder):
-    from pipelines.report import load_report, report_lines
+    from pipelines.report.run_report import load_report, report_lines
 
     rows, out, _ = parity_job
     assert out.columns[-9:] == ["rewritten", "finish_reason", "prompt_tokens",
@@ -449,7 +449,7 @@ def test_a_text_holding_the_image_token_is_its_rows_image_error(bad_job):
 
 def test_a_batch_file_with_image_url_parts_gives_the_table_jobs_texts(parity_job, vision_model,
                                                                       folder):
-    from pipelines.batch import run_batch_file
+    from pipelines.batchfile.batch import run_batch_file
 
     rows, out, _ = parity_job
     lines = [{"custom_id": r["sku"], "method": "POST", "url": "/v1/chat/completions",
@@ -487,7 +487,7 @@ def test_a_message_batches_file_with_image_blocks_gives_the_table_jobs_texts(
         parity_job, vision_model, folder):
     """Anthropic's base64 image blocks, in a user turn, go to the model as the table's
     images do: the same texts."""
-    from pipelines.batch import run_batch_file
+    from pipelines.batchfile.batch import run_batch_file
 
     def block(part: dict) -> dict:
         if part["type"] == "text":

@@ -1,6 +1,6 @@
 """Logprobs and confidence through a real job (Ray Data + vLLM on CPU, the tiny model): the
 logprobs column equals vLLM's own for the same greedy requests; with structured.choice the
-confidence column is the chosen label's probability among the labels (udfs/logprobs.py)."""
+confidence column is the chosen label's probability among the labels (udfs/rows/logprobs.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 
 from pipelines import load_config, run_job
 from pipelines.errors import ConfigError
-from pipelines.preflight import plan_job
-from udfs.logprobs import LOGPROBS_TYPE, label_confidence, label_masses
-from udfs.prompts import PromptRenderer
+from pipelines.plan.preflight import plan_job
+from udfs.rows.logprobs import LOGPROBS_TYPE, label_confidence, label_masses
+from udfs.stages.prompts import PromptRenderer
 
 from conftest import job_config
 

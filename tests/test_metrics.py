@@ -1,4 +1,4 @@
-"""Prometheus metrics of a run (``overnight run --metrics-port``, pipelines/metrics.py): a real
+"""Prometheus metrics of a run (``overnight run --metrics-port``, pipelines/report/metrics.py): a real
 job on the tiny model, scraped over HTTP while it runs and once it is done; the numbers equal
 what the job wrote."""
 
@@ -14,8 +14,8 @@ import httpx
 import polars as pl
 
 from pipelines import load_config, run_job
-from pipelines.metrics import serve_metrics
-from pipelines.progress import Progress
+from pipelines.report.metrics import serve_metrics
+from pipelines.job.progress import Progress
 
 from conftest import REPO, job_config
 

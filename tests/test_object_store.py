@@ -118,7 +118,7 @@ def test_unreachable_or_missing_input_is_one_clear_line(s3):
 
 def test_an_output_at_a_bucket_root_is_refused_before_anything_runs(tmp_path):
     from pipelines.errors import ConfigError
-    from pipelines.preflight import plan_job
+    from pipelines.plan.preflight import plan_job
 
     (tmp_path / "in.jsonl").write_text('{"t": "x"}\n')
     config = load_config({"input": {"path": str(tmp_path / "in.jsonl")}, "model": {"name": "m"},

@@ -18,7 +18,7 @@ from hypothesis_jsonschema import from_schema
 
 from pipelines import load_config, run_job
 from udfs.columns import ErrorKind
-from udfs.parsers import OutputParser, StructuredSpec, schema_to_arrow
+from udfs.rows.parsers import OutputParser, StructuredSpec, schema_to_arrow
 
 from conftest import job_config
 

@@ -16,7 +16,7 @@ import pytest
 from pipelines import load_config, run_job
 from pipelines.write import part_name
 from udfs.columns import ErrorKind
-from udfs.prompts import PromptRenderer
+from udfs.stages.prompts import PromptRenderer
 
 from conftest import job_config
 
@@ -112,7 +112,7 @@ def test_output_is_committed_with_its_record(job):
 
 def test_values_are_never_evaluated_as_templates(job):
     config, _, out, _ = job
-    from pipelines.preflight import plan_job
+    from pipelines.plan.preflight import plan_job
 
     renderer = PromptRenderer(plan_job(config).render)
     text = renderer.render_text(next(r for r in ROWS if r["sku"] == TEMPLATE_ROW))
@@ -196,7 +196,7 @@ def test_report_command_prints_it_again_and_renders_html(job):
 
 def test_report_rebuilt_from_the_output_alone(job):
     """Without the report file (say a copy of the output), the numbers come from the parts."""
-    from pipelines.report import build_report
+    from pipelines.report.run_report import build_report
 
     _, summary, _, root = job
     record = json.loads((root / "out.overnight.json").read_text())

@@ -17,9 +17,9 @@ import pytest
 
 from pipelines import load_config, run_job
 from pipelines.errors import ConfigError, JobError
-from pipelines.preflight import plan_job
+from pipelines.plan.preflight import plan_job
 from udfs.columns import ErrorKind
-from udfs.prompts import PromptRenderer
+from udfs.stages.prompts import PromptRenderer
 
 from conftest import CLASSIFIER_LABELS, KV_CACHE, job_config
 
@@ -238,7 +238,7 @@ def test_score_on_a_three_label_model_is_one_line(tiny_classifier, tmp_path):
 
 
 def test_validate_names_the_task_and_the_rows_that_will_fail(tiny_scorer, tmp_path):
-    from pipelines.validate import validate_job
+    from pipelines.plan.validate import validate_job
 
     config = _job(tiny_scorer, tmp_path, "validated", "score",
                   prompt={"template": "{{ title }}", "pair_template": "{{ description }}"})

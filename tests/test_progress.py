@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from pipelines.progress import Progress
+from pipelines.job.progress import Progress
 
 
 class Terminal(io.StringIO):
@@ -104,7 +104,7 @@ def test_no_eta_from_the_first_seconds_of_generation():
 def test_an_eta_waits_for_two_estimates_that_agree():
     """A rate that jumps (a burst, then a stall) keeps the ETA back until two estimates
     ETA_GAP_S apart agree within a quarter."""
-    from pipelines.progress import EtaGate
+    from pipelines.job.progress import EtaGate
 
     gate = EtaGate()
     total = 1000
@@ -120,7 +120,7 @@ def test_an_eta_waits_for_two_estimates_that_agree():
 def test_a_small_job_shows_an_eta_once_a_twentieth_is_done():
     """ETA_MIN_DONE requests, or a twentieth of a small job's: a 40-row job's ETA does not
     wait for 20 of them."""
-    from pipelines.progress import EtaGate
+    from pipelines.job.progress import EtaGate
 
     gate = EtaGate()
     assert "measuring" in gate.waiting(6.0, 10.0, 1, 40, 6.0)
@@ -204,7 +204,7 @@ def test_a_real_jobs_live_progress_has_an_eta_within_2x_after_the_first_fifth(
 
     # the report's throughput over time comes from the same live samples; its page shows
     # rows input beside output, and the replicas
-    from pipelines.report import render_html
+    from pipelines.report.run_report import render_html
 
     samples = summary.report["samples"]
     assert len(samples) >= 5 and samples[-1]["tokens"] >= samples[0]["tokens"]

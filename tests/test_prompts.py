@@ -6,7 +6,7 @@ import pyarrow as pa
 
 from udfs import columns
 from udfs.columns import ErrorKind
-from udfs.prompts import PromptRenderer, RenderSpec
+from udfs.stages.prompts import PromptRenderer, RenderSpec
 
 
 def test_messages_column_renders_like_vllm_chat(tiny_model, llm):
@@ -73,7 +73,7 @@ def test_columns_whose_names_are_not_jinja_names_are_reached_through_row(tiny_mo
 
 
 def test_row_is_only_ever_a_columns_name_away():
-    from udfs.prompts import TemplateError, compile_template
+    from udfs.stages.prompts import TemplateError, compile_template
 
     for source, needle in [("{{ row }}", "row is the whole row"),
                            ("{{ row | length }}", "row is the whole row"),
@@ -89,13 +89,13 @@ def test_row_is_only_ever_a_columns_name_away():
 
 
 def test_pre_flights_template_only_renders_as_the_tokenizer_does(tiny_model, tmp_path):
-    """Pre-flight renders sample rows through the chat template alone (udfs/chat_content.py:
+    """Pre-flight renders sample rows through the chat template alone (udfs/stages/chat_content.py:
     TemplateOnly, transformers' Jinja environment without transformers): the same text as
     the tokenizer's own apply_chat_template, for the tiny model's template, a thinking
     template given its switch, and one with transformers' globals and filters."""
-    from pipelines.tiny_model import THINKING_CHAT_TEMPLATE, with_chat_template
-    from udfs.chat_content import TemplateOnly
-    from udfs.prompts import load_tokenizer
+    from pipelines.tools.tiny_model import THINKING_CHAT_TEMPLATE, with_chat_template
+    from udfs.stages.chat_content import TemplateOnly
+    from udfs.stages.prompts import load_tokenizer
 
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Hi 🙂 {{ x }}"}]
@@ -130,7 +130,7 @@ def test_template_only_reads_special_tokens_map_too(tmp_path):
     """transformers hands a chat template special_tokens_map.json's tokens too (a string, or
     {"content": ...}), over tokenizer_config.json's where the config has no
     added_tokens_decoder (an older layout)."""
-    from udfs.chat_content import TemplateOnly
+    from udfs.stages.chat_content import TemplateOnly
 
     older = _tokenizer_files(tmp_path / "older", {"chat_template": BOS_TEMPLATE,
                                                   "eos_token": "</old>"},
@@ -151,7 +151,7 @@ def test_rows_failing_on_an_undefined_name_are_not_refused_in_pre_flight(tmp_pat
     default bos_token, known to transformers alone) fails every row here; the real tokenizer
     may render them all, so pre-flight refuses no job for it. A template's own error, alike on
     every row, is still refused."""
-    from udfs.prompts import rows_fail_alike
+    from udfs.stages.prompts import rows_fail_alike
 
     table = pa.table({"sku": ["a", "b", "c"], "title": ["x", "y", "z"]})
     bare = _tokenizer_files(tmp_path / "bare", {"chat_template": BOS_TEMPLATE})

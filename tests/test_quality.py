@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 
 from pipelines import load_config, run_job
-from pipelines.demo_model import build_demo_model, is_complete
+from pipelines.tools.demo_model import build_demo_model, is_complete
 
 from conftest import REPO, _SCRATCH
 

@@ -20,7 +20,7 @@ PROBE = """
 import json, os, sys, psutil
 from ray._private import utils
 utils.get_dashboard_dependency_error = lambda: None  # as with ray[default] installed
-from pipelines.resources import ray_session
+from pipelines.job.resources import ray_session
 with ray_session(None):
     found = {}
     for child in psutil.Process().children(recursive=True):

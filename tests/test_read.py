@@ -197,7 +197,7 @@ def test_ray_blocks_are_whole_plan_blocks_large_for_large_jobs_and_many_for_smal
 
 
 def test_the_engine_stage_cuts_ray_blocks_back_into_plan_blocks():
-    from udfs.chain import Chain
+    from udfs.stages.chain import Chain
 
     batch = pa.table({"x": list(range(10)), columns.ORDINAL: pa.array(range(20, 30), pa.int64())})
     chain = Chain([], cut=((0, 24, 28), 3))  # plan blocks at 0, 24, 28; at most 3 rows each
@@ -228,7 +228,7 @@ def test_a_batchs_pieces_reach_the_engine_at_once_up_to_the_blocks_in_flight():
     """One piece after another, a batch's later pieces waited for the earlier ones to finish
     generating (the long-output benchmark's engine ran part empty): they run at once, at
     most ``at_once`` over all the actor's calls, and come out in input order."""
-    from udfs.chain import Chain
+    from udfs.stages.chain import Chain
 
     batch = pa.table({columns.ORDINAL: pa.array(range(2, 14), pa.int64())})
     chain = Chain([], cut=((0, 4, 8, 12), 4), at_once=3)
@@ -270,7 +270,7 @@ def test_jsonl_lines_the_fast_decoder_refuses_read_as_json_loads_reads_them(tmp_
 def test_repeated_ids_are_found_in_one_pass_and_named(tmp_path: Path, decoded):
     """The scan keeps 8-byte hashes; where ids repeat, the values behind them are read in one
     more pass, each row decoded once (a block at a time decoded a one-group file per block)."""
-    from pipelines.preflight import _repeated_ids
+    from pipelines.plan.preflight import _repeated_ids
 
     ids = [f"id{i}" for i in range(1000)]
     ids[900], ids[950], ids[999] = "id3", "id3", "id7"

@@ -16,10 +16,10 @@ import polars as pl
 import pytest
 
 from pipelines import load_config, run_job
-from pipelines.batch import run_batch_file
+from pipelines.batchfile.batch import run_batch_file
 from pipelines.errors import ConfigError
-from pipelines.preflight import plan_job
-from udfs.prompts import PromptRenderer
+from pipelines.plan.preflight import plan_job
+from udfs.stages.prompts import PromptRenderer
 
 from conftest import KV_CACHE, REPO, job_config
 
@@ -36,7 +36,7 @@ SYSTEM = "Be brief."
 
 @pytest.fixture(scope="session")
 def think_model(tmp_path_factory):
-    from pipelines.tiny_model import build_tiny_model
+    from pipelines.tools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("think") / "model", reasoning=True))
 
@@ -182,7 +182,7 @@ def test_the_report_counts_thinking_apart_from_the_answer(thinking_job, root):
         "no_answer_rows": out.filter(pl.col("error_kind") == "no_answer").height,
         "no_answer_share": round(out.filter(pl.col("error_kind") == "no_answer").height
                                  / out.height, 4)}
-    from pipelines.report import report_lines
+    from pipelines.report.run_report import report_lines
 
     line = next(x for x in report_lines(report) if x.startswith("reasoning"))
     assert f"{report['reasoning']['no_answer_rows']} rows without an answer" in line

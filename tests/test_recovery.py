@@ -1,4 +1,4 @@
-"""Engines that die are replaced and the job goes on (udfs/recovery.py), on the real CPU engine
+"""Engines that die are replaced and the job goes on (udfs/engines/recovery.py), on the real CPU engine
 through real Ray: a replica killed with kill -9, an engine broken inside its process, a row
 that kills every engine it reaches, a stalled engine, and the restart bound.
 

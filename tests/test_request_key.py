@@ -1,5 +1,5 @@
-"""Request keys (pipelines/request_key.py) and what the fingerprint holds of a job's files
-(pipelines/model_files.py): the key changes whenever the request the engine gets would, and two
+"""Request keys (pipelines/reuse/request_key.py) and what the fingerprint holds of a job's files
+(pipelines/plan/model_files.py): the key changes whenever the request the engine gets would, and two
 rows share one only where their prompts are the same. Pure functions and pre-flight: no engine.
 
 The property test draws tables of mixed column types (ints of each width, uint64, floats with
@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.request_key import KeySpec, canonical_column, request_keys
-from udfs.prompts import PromptRenderer, compile_template, render_template
+from pipelines.reuse.request_key import KeySpec, canonical_column, request_keys
+from udfs.stages.prompts import PromptRenderer, compile_template, render_template
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_PARTS = {"prompt": {"template": "fixed"}, "request key": {"scheme": "test"}}
@@ -231,7 +231,7 @@ def tiny_copy(tmp_path, tiny_model):
 
 
 def test_a_model_directory_is_named_by_its_files(tiny_copy):
-    from pipelines.model_files import model_fingerprint
+    from pipelines.plan.model_files import model_fingerprint
 
     before = model_fingerprint(str(tiny_copy))
     assert model_fingerprint(str(tiny_copy)) == before
@@ -253,7 +253,7 @@ def test_a_model_directory_is_named_by_its_files(tiny_copy):
 def test_a_hugging_face_name_is_its_cached_commit(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from pipelines.model_files import model_fingerprint
+    from pipelines.plan.model_files import model_fingerprint
 
     repo = tmp_path / "models--org--name"
     commit = "a" * 40
@@ -267,7 +267,7 @@ def test_a_hugging_face_name_is_its_cached_commit(tmp_path, monkeypatch):
 
 
 def test_an_adapter_retrained_in_place_is_another_job(tmp_path):
-    from pipelines.adapters import adapters_fingerprint
+    from pipelines.plan.adapters import adapters_fingerprint
 
     adapter = tmp_path / "de"
     adapter.mkdir()
@@ -300,7 +300,7 @@ def _job(tmp_path: Path, model: Path, **sections) -> dict:
 def earlier_output(plan, out: Path) -> None:
     """An output as the job would have written it (its request keys, its metadata), without
     an engine: each row's text made up."""
-    from pipelines.pipeline import job_metadata
+    from pipelines.job.pipeline import job_metadata
     from pipelines.read import read_block
     from udfs import columns
 
@@ -324,8 +324,8 @@ def earlier_output(plan, out: Path) -> None:
 
 def test_validate_says_a_model_changed_in_place_reuses_nothing(tiny_copy, tmp_path):
     from pipelines import load_config
-    from pipelines.preflight import plan_job
-    from pipelines.validate import validate_job
+    from pipelines.plan.preflight import plan_job
+    from pipelines.plan.validate import validate_job
 
     job = _job(tmp_path, tiny_copy, output={"path": str(tmp_path / "out"), "column": "generated",
                                             "reuse_from": str(tmp_path / "snapshot")})
@@ -349,8 +349,8 @@ def test_validate_says_a_model_changed_in_place_reuses_nothing(tiny_copy, tmp_pa
 
 def test_a_steps_json_schema_file_is_keyed_by_its_content(tiny_copy, tmp_path):
     from pipelines import load_config
-    from pipelines.preflight import plan_job
-    from pipelines.changes import changed_keys
+    from pipelines.plan.preflight import plan_job
+    from pipelines.plan.changes import changed_keys
 
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
@@ -385,7 +385,7 @@ def _fingerprint(**changes) -> dict:
 
 
 def test_a_record_from_before_model_files_matches_on_them():
-    from pipelines.changes import diff_fingerprints, what_changed
+    from pipelines.plan.changes import diff_fingerprints, what_changed
 
     ours = _fingerprint()
     earlier = _fingerprint()
@@ -398,7 +398,7 @@ def test_a_record_from_before_model_files_matches_on_them():
 
 
 def test_what_changed_names_the_files_and_the_step():
-    from pipelines.changes import changed_settings, what_changed
+    from pipelines.plan.changes import changed_settings, what_changed
 
     ours = _fingerprint()
     copied = _fingerprint()
@@ -433,7 +433,7 @@ def test_what_changed_names_the_files_and_the_step():
 def test_an_http_engines_model_is_fingerprinted_by_its_name(tiny_copy, tmp_path):
     """Its server holds the model; a local copy or cache of that name says nothing of it."""
     from pipelines import load_config
-    from pipelines.preflight import _model_fingerprint
+    from pipelines.plan.preflight import _model_fingerprint
 
     job = _job(tmp_path, tiny_copy)
     assert "files" in _model_fingerprint(load_config(job), 256)

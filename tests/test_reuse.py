@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pipelines import load_config, run_job
-from pipelines.validate import validate_job
+from pipelines.plan.validate import validate_job
 
 from conftest import REPO, job_config
 from test_resume import kill_after_parts, overnight, settled_parts
@@ -126,7 +126,7 @@ def test_the_report_counts_the_rows_and_tokens_reused(greedy_runs, reuse_tables)
     assert reuse["cost_saved"] == round(reuse["prompt_tokens_saved"] / 1e6 * PRICES["input"]
                                         + reuse["completion_tokens_saved"] / 1e6
                                         * PRICES["output"], 6)
-    from pipelines.report import report_lines
+    from pipelines.report.run_report import report_lines
 
     line = next(x for x in report_lines(incremental.report) if x.startswith("reuse"))
     assert f"{reuse['reused']:,} rows carried over" in line and "tokens not generated" in line
@@ -160,14 +160,14 @@ def test_a_seeded_job_reuses_a_snapshot_elsewhere_with_its_samples_together(
     """Sampled (temperature 0.8, a seed per row from its id, two samples a row): the reused
     rows' samples come over together, from a copy of the output somewhere else
     (output.reuse_from), and the result equals a from-scratch run. Looked up and staged as a
-    large table's are, in a Ray task (pipelines/reuse.py: LARGE_ROWS)."""
-    import pipelines.pipeline
-    import pipelines.reuse
+    large table's are, in a Ray task (pipelines/reuse/carry.py: LARGE_ROWS)."""
+    import pipelines.job.pipeline
+    import pipelines.reuse.carry
 
-    monkeypatch.setattr(pipelines.pipeline, "LARGE_ROWS", 0)
+    monkeypatch.setattr(pipelines.job.pipeline, "LARGE_ROWS", 0)
     on_ray = []
-    monkeypatch.setattr(pipelines.pipeline, "carry_over_on_ray", lambda *a: on_ray.append(
-        pipelines.reuse.carry_over_on_ray(*a)) or on_ray[-1])
+    monkeypatch.setattr(pipelines.job.pipeline, "carry_over_on_ray", lambda *a: on_ray.append(
+        pipelines.reuse.carry.carry_over_on_ray(*a)) or on_ray[-1])
     root = reuse_tables
     seeded = {"input": {"id_column": "sku"},
               "sampling": {"temperature": 0.8, "seed": 5, "max_tokens": 12, "n": 2}}
@@ -341,7 +341,7 @@ def test_a_changed_last_step_is_all_a_job_of_steps_generates_again(steps_runs, r
         f"reuse: {ROWS - len(NULLS)} of {ROWS} rows reusable from {reuse_tables / 'steps'}; "
         f"{len(NULLS)} to generate; {len(NULLS)} of them failed before (the steps before "
         "'judge': 'judge' and the steps after it run for every row)")
-    from pipelines.report import report_lines
+    from pipelines.report.run_report import report_lines
 
     line = next(x for x in report_lines(judged.report) if x.startswith("reuse"))
     assert "the steps before 'judge'" in line
@@ -540,7 +540,7 @@ def test_the_lookup_tells_input_rows_apart_and_takes_each_earlier_row_once():
     alone; new rows with one key matched to earlier rows by (key, occurrence)."""
     import numpy as np
 
-    from pipelines.reuse import ReusePlan, _input_rows, _join, _Spill
+    from pipelines.reuse.carry import ReusePlan, _input_rows, _join, _Spill
 
     high, low = np.array([1, 1, 1, 2], np.uint64), np.array([5, 5, 5, 6], np.uint64)
     ids = pa.table({"sku": ["a", "b", "b", "c"], "sample_index": [0, 0, 1, 0]})

@@ -149,7 +149,7 @@ def test_an_engine_larger_than_any_node_is_refused(monkeypatch):
 
     from pipelines import load_config
     from pipelines.errors import JobError
-    from pipelines.resources import plan_replicas
+    from pipelines.job.resources import plan_replicas
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16, "GPU": 8})
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 4}}] * 2)

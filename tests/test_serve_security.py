@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.view import _quoted
+from pipelines.report.view import _quoted
 
 KEY, OTHER_KEY = "sk-security-test-first", "sk-security-test-other"
 BATCH = "batch_" + "5" * 24
@@ -205,8 +205,8 @@ def test_a_filter_of_the_wrong_type_names_it_and_an_offset_past_the_end_is_empty
 
 def test_overnight_view_says_the_same_in_its_own_line(api):
     """``overnight view``'s JobView: the same filter, the same one-line refusals."""
-    from pipelines.filters import FilterError
-    from pipelines.view import JobView
+    from pipelines.report.filters import FilterError
+    from pipelines.report.view import JobView
 
     work = api["store"].batch_dir(BATCH) / "results.jsonl.overnight" / "output"
     view = JobView(str(work))

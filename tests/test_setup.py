@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from udfs.platform import auto_dtype, cpu_flags
+from udfs.engines.platform import auto_dtype, cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "scripts" / "setup.sh"

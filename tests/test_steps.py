@@ -1,4 +1,4 @@
-"""Jobs of several steps (``steps:``, udfs/steps.py) on the real CPU engine, through Ray Data.
+"""Jobs of several steps (``steps:``, udfs/stages/steps.py) on the real CPU engine, through Ray Data.
 
 - a three-step greedy job equals the same three steps run as three single-step jobs chained
   by hand (each reading the one before's output), row for row;
@@ -26,7 +26,7 @@ import yaml
 
 from pipelines import load_config, run_job
 from pipelines.errors import JobError
-from pipelines.preflight import plan_job
+from pipelines.plan.preflight import plan_job
 
 from conftest import REPO, job_config
 

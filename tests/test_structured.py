@@ -10,7 +10,7 @@ import pytest
 
 from pipelines import load_config, run_job
 from pipelines.errors import ConfigError
-from pipelines.preflight import plan_job
+from pipelines.plan.preflight import plan_job
 
 from conftest import KV_CACHE, REPO
 

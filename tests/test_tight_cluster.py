@@ -16,9 +16,10 @@ import polars as pl
 import pytest
 import ray
 
-from pipelines import load_config, run_job, watchdog
+from pipelines import load_config, run_job
+from pipelines.job import watchdog
 from pipelines.errors import JobError
-from pipelines.resources import LIGHT_STAGES_CPUS, plan_replicas
+from pipelines.job.resources import LIGHT_STAGES_CPUS, plan_replicas
 
 from conftest import REPO, job_config
 from test_parsers import ScriptedServer

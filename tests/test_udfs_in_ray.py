@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import ray
 
 from pipelines import load_config
-from pipelines.preflight import plan_job
-from udfs.predictor import Predictor
-from udfs.prompts import PromptRenderer
+from pipelines.plan.preflight import plan_job
+from udfs.stages.predictor import Predictor
+from udfs.stages.prompts import PromptRenderer
 
 from conftest import REPO
 

@@ -1,4 +1,4 @@
-"""The view's prompt of a row (pipelines/view.py: JobView.prompt) where the row's prompt cannot
+"""The view's prompt of a row (pipelines/report/view.py: JobView.prompt) where the row's prompt cannot
 be rendered: a fixed line naming the kind of error, never the error's text (in serve the caller
 is a tenant; the text may quote the server's paths). No engine, no server: a record and one
 part written here."""
@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 
 def test_a_prompt_that_cannot_be_rendered_is_a_fixed_line(tiny_model, tmp_path, caplog):
-    from pipelines.view import JobView
+    from pipelines.report.view import JobView
 
     out = tmp_path / "out"
     out.mkdir()
@@ -32,11 +32,11 @@ def test_a_prompt_that_cannot_be_rendered_is_a_fixed_line(tiny_model, tmp_path, 
 
 
 def test_a_refused_filter_is_one_line_in_each_servers_shape():
-    """pipelines/view.py: refused, overnight view's {"error": line} and, given serve's body,
+    """pipelines/report/view.py: refused, overnight view's {"error": line} and, given serve's body,
     the API's error object naming the where parameter."""
     from pipelines.errors import ConfigError
-    from pipelines.filters import FilterError
-    from pipelines.view import refused
+    from pipelines.report.filters import FilterError
+    from pipelines.report.view import refused
     from serve.app import _invalid_value
 
     assert json.loads(refused(FilterError("where 'x': no column")).body) == {

@@ -9,7 +9,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.compact import Group, plan_groups, write_group
+from pipelines.write.compact import Group, plan_groups, write_group
 from pipelines.storage import Location
 from pipelines.write import (OutputStore, Part, PartLayout, PartWriter, covered_blocks,
                              list_parts, part_name)
@@ -123,7 +123,7 @@ def test_the_output_reads_in_input_order_with_polars_pyarrow_and_duckdb(tmp_path
     import polars as pl
     import pyarrow.dataset as ds
 
-    from pipelines.compact import compact_locally
+    from pipelines.write.compact import compact_locally
 
     starts = tuple(range(0, 100, 4))
     layout = PartLayout(staging=str(tmp_path), source_columns=("title",),

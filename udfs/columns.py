@@ -24,7 +24,7 @@ GENERATED = (FINISH_REASON, PROMPT_TOKENS, COMPLETION_TOKENS, ERROR_KIND, ERROR)
 REASONING_TOKENS = "reasoning_tokens"
 # A generate job's last column: 32 hex digits over what determines the row's generation (the
 # job's settings that do, and the row's values its prompt reads); a re-run with output.reuse
-# carries over the rows whose key it finds in the earlier output (pipelines/reuse.py)
+# carries over the rows whose key it finds in the earlier output (pipelines/reuse/carry.py)
 REQUEST_KEY = "request_key"
 # A job with prompt.images: how many images the row's prompt held, and the prompt tokens they
 # took (the engine's count of the prompt, less its text's), after completion_tokens
@@ -36,7 +36,7 @@ IMAGE_TOKENS = "image_tokens"
 ORDINAL = "__overnight_ordinal"
 PROMPT_TOKEN_IDS = "__overnight_prompt_token_ids"
 PROMPT_MESSAGES = "__overnight_prompt_messages"  # JSON; only for an engine that wants them
-# A prompt's images, in the order it holds them (udfs/images.py): each its bytes or its path
+# A prompt's images, in the order it holds them (udfs/rows/images.py): each its bytes or its path
 # or URL, loaded and decoded where the engine takes them
 PROMPT_IMAGES = "__overnight_prompt_images"
 PROMPT_IMAGES_TYPE = pa.list_(pa.struct([("bytes", pa.large_binary()),
@@ -78,14 +78,14 @@ class ErrorKind:
 class FinishReason:
     SKIPPED = "skipped"  # on_too_long: skip
 
-# task: score (udfs/pooler.py): where the document starts in the pair's token ids (for token
+# task: score (udfs/stages/pooler.py): where the document starts in the pair's token ids (for token
 # types), and the two rendered texts as JSON (for a server that tokenizes pairs itself)
 PAIR_START = "__overnight_pair_start"
 PAIR_TEXTS = "__overnight_pair_texts"
 # task: classify: the probability column of each label is this prefix and the label
 PROBABILITY_PREFIX = "prob_"
 
-# A job of several steps (udfs/steps.py): each step's own columns are named after its output
+# A job of several steps (udfs/stages/steps.py): each step's own columns are named after its output
 # column C: C_finish_reason, C_prompt_tokens, C_completion_tokens; C_text (the raw text, where
 # C holds the parsed value); C_index (which of a row's fan-out rows this one is). The job-level
 # columns above (GENERATED) then hold the row's totals: its tokens over every step, the first
@@ -104,7 +104,7 @@ def step_column(column: str, meta: str) -> str:
 
 # Parquet schema metadata, on every file a job writes: the job that wrote it (its output
 # column and the columns it added), so that a job reading that output names its columns apart
-# (pipelines/preflight.py); and on a part of a job with steps, its per-step counts.
+# (pipelines/plan/preflight.py); and on a part of a job with steps, its per-step counts.
 JOB_METADATA = b"overnight.job"
 STEPS_METADATA = b"overnight.steps"
 

@@ -1,6 +1,6 @@
 """A stand-in for the vLLM engine, for benchmarks/scale.py only (never shipped): on the
 PYTHONPATH of an ``overnight run`` with OVERNIGHT_BENCH_STANDIN=1, Python imports this in every
-process of the job (the driver, Ray's workers), and ``udfs.vllm_engine.VLLMEngine`` becomes a
+process of the job (the driver, Ray's workers), and ``udfs.engines.vllm_engine.VLLMEngine`` becomes a
 class that is built at once, imports no vllm, and answers every request instantly with
 ``max_tokens`` tokens of text: only the pipeline around the engine is left to measure.
 
@@ -13,8 +13,8 @@ OVERNIGHT_BENCH_MAXRSS=DIR: each process writes its peak RSS (``VmHWM``) to DIR/
 import os
 
 if os.environ.get("OVERNIGHT_BENCH_STANDIN") == "1":
-    import udfs.vllm_engine as engine_module
-    from udfs.engine import GenerationResult
+    import udfs.engines.vllm_engine as engine_module
+    from udfs.engines.engine import GenerationResult
 
     WORDS = "label " * 64
 

@@ -12,7 +12,7 @@ from pipelines.config.sections import Strict
 
 
 class _EngineRecovery(Strict):
-    """What happens when an engine dies (udfs/recovery.py): it is replaced, its blocks
+    """What happens when an engine dies (udfs/engines/recovery.py): it is replaced, its blocks
     retried, rows that kill engines isolated."""
 
     max_restarts: int = Field(

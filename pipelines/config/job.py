@@ -32,7 +32,7 @@ class JobConfig(Strict):
         None, description="The job's prompt; a job of several steps gives each step its own.")
     steps: list[StepConfig] | None = Field(
         None, min_length=1, description="A job of several steps, run in order on each row by "
-        "one engine: generate, judge, filter (udfs/steps.py).")
+        "one engine: generate, judge, filter (udfs/stages/steps.py).")
     sampling: SamplingConfig = SamplingConfig()
     output: OutputConfig
     structured: StructuredConfig | None = None
@@ -194,7 +194,7 @@ class JobConfig(Strict):
 
     @model_validator(mode="after")
     def _reuse_applies(self) -> JobConfig:
-        """output.reuse: what a row's request key covers today (pipelines/reuse.py)."""
+        """output.reuse: what a row's request key covers today (pipelines/reuse/carry.py)."""
         if not (self.output.reuse or self.output.reuse_from):
             return self
         what = (f"task: {self.task}" if self.task != "generate"

@@ -49,7 +49,7 @@ class IdDigest:
         self._hashes: list = []  # numpy uint64 arrays, one per chunk added
 
     def add(self, values) -> None:
-        from udfs import to_polars
+        from udfs.rows import to_polars
 
         # (to_polars: any Arrow type, a decimal256 too, which polars' own import panics on)
         series = to_polars.series(values if isinstance(values, (pa.Array, pa.ChunkedArray))

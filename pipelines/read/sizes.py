@@ -69,7 +69,7 @@ def ray_block_rows(rows: int, block_rows: int, slots: int, row_bytes: float = 0)
 
     A plan's block (``resources.batch_size`` rows) is the engine's unit of work and the
     writer's of commit, and the engine's stage cuts Ray Data's blocks back into them
-    (udfs/chain.py). Each Ray Data block costs the driver ~8 KB of bookkeeping for the rest of
+    (udfs/stages/chain.py). Each Ray Data block costs the driver ~8 KB of bookkeeping for the rest of
     the job, and a task to schedule: 10M rows in 256-row blocks would grow it by ~300 MiB. So
     a large job moves ~4,096-row blocks, and a small one keeps ``ROUNDS`` of them per slot:
     every engine has work, and the blocks left at the end are short."""

@@ -17,7 +17,7 @@ row too: the writer keeps a row's samples that came without the rest aside, as a
 stateless: each writes what it is handed at once, one part per run of consecutive rows of one
 block, so no actor holds rows back and none is a funnel every row passes through.
 
-When every row is written, the parts are compacted (pipelines/compact.py) into files of about
+When every row is written, the parts are compacted (pipelines/write/compact.py) into files of about
 ``output.file_size_mb``, each written whole and then the parts it replaces removed: a file whose
 range holds another's supersedes it, so a compaction interrupted at any moment is finished by
 the next run. Then the staging directory is renamed to the output path. A crash at any moment

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.changes import diff_fingerprints, what_changed
+from pipelines.plan.changes import diff_fingerprints, what_changed
 from pipelines.errors import OutputError, one_line
 from pipelines.storage import Location, hold_lock, scrub_record
 from pipelines.write.counts import read_part

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.request_key import request_keys
+from pipelines.reuse.request_key import request_keys
 from pipelines.storage import Location
 from pipelines.write.counts import RECORD_SCHEMA, count_part, read_part, timing
 from pipelines.write.parts import SAMPLES_PIECE, part_name, part_range
@@ -46,7 +46,7 @@ class PartLayout:
     # the Parquet schema metadata of every file written: the job that wrote it
     # (columns.JOB_METADATA), for a job that reads this output as its input
     metadata: tuple[tuple[bytes, bytes], ...] = ()
-    # a generate job's request keys (pipelines/request_key.py): each row's, in request_key
+    # a generate job's request keys (pipelines/reuse/request_key.py): each row's, in request_key
     request_key: object | None = None
 
     def block_end(self, start: int) -> int:

@@ -1,0 +1,1 @@
+"""Batch files (OpenAI's and Anthropic's formats) in and out, run as jobs."""

@@ -1,0 +1,1 @@
+"""What a run shows: the run report, `overnight view` and its filters, `overnight status`, the metrics."""

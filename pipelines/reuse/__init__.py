@@ -1,0 +1,1 @@
+"""output.reuse: rows keyed by their request, and an earlier output's rows carried over."""

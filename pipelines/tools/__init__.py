@@ -1,0 +1,1 @@
+"""The commands around a job: `overnight doctor`, `tiny-model`, the demo model."""

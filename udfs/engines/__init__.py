@@ -1,0 +1,1 @@
+"""The engines a stage drives: vLLM in process, an OpenAI-compatible server, pooling; restarts."""

@@ -1,0 +1,1 @@
+"""A row's values: structured output parsed, logprobs, images, Arrow types polars cannot take."""

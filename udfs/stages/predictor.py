@@ -1,0 +1,499 @@
+"""The predictor actor: one engine per replica, one ``generate`` call per block.
+
+Given a ``RenderSpec`` it renders each block's prompts first (udfs/stages/prompts.py), in its own
+process: a job's actors are then the engine's and the writer's, with one tokenizer loaded, not
+two (a separate renderer actor cost ~400 MiB and a share of a small machine's CPU while the
+engine ran). Rows the renderer marked (an error, or skipped) pass through untouched; the rest
+go to the engine as one batch. A request the engine rejects becomes that row's error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from udfs import columns
+from udfs.columns import ErrorKind
+from udfs.engines.engine import EngineSpec, GenerationRequest, build_engine
+from udfs.rows.logprobs import LOGPROBS_TYPE, label_confidence, truncate_top
+from udfs.stages.prompts import PromptRenderer, RenderSpec
+from udfs.engines.recovery import Recovery
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Per-job sampling settings; each row's seed derives from ``seed`` and the row's key."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_tokens: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    key_column: str = columns.ORDINAL  # the id column, when the input has one
+    structured: dict | None = None  # see GenerationRequest.structured
+    n: int = 1  # samples per row: the output has n rows per input row
+    max_tokens_column: str | None = None  # each row's own cap, at most max_tokens
+    # A column of JSON objects: this row's temperature, top_p, seed, stop, n, json_schema
+    # and the rest of RowOverrides' fields
+    overrides_column: str | None = None
+    # The logprobs column (udfs/rows/logprobs.py), when set: each row's tokens with ``logprobs``
+    # top alternatives (a row's overrides may set its own, or null for none)
+    logprobs_column: str | None = None
+    logprobs: int | None = None
+    # With structured choice: the column of the chosen label's confidence, and the top
+    # alternatives it needs (udfs/logprobs.confidence_top_k)
+    confidence_column: str | None = None
+    confidence_top_k: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # ((token id, bias), ...)
+    # With a reasoning parser (a thinking model): the column of each row's thinking; its
+    # answer is the output column, its thinking tokens columns.REASONING_TOKENS
+    reasoning_column: str | None = None
+    budget_key: str = "sampling.max_tokens"  # where the config sets max_tokens, for errors
+    # LoRA adapters (model.adapters): the names the engine holds, the one a row without its
+    # own runs on (None: the base model), and the column that names each row's
+    adapters: tuple[str, ...] = ()
+    adapter: str | None = None
+    adapter_column: str | None = None
+    # prompt.images in a one-step job: each row's image count and image tokens as columns
+    count_images: bool = False
+
+
+class RowOverrides(BaseModel):
+    """One row's sampling overrides, as the overrides column holds them (a JSON object, or a
+    struct). Checked here so that a bad value is that row's error, not the engine's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    temperature: float = Field(None, ge=0, le=2)
+    top_p: float = Field(None, gt=0, le=1)
+    seed: int = Field(None)
+    n: int = Field(None, ge=1, le=1024)
+    stop: list[str] = None
+    json_schema: dict = None
+    # the logprobs column's top alternatives for this row; null: no logprobs
+    logprobs: int | None = Field(None, ge=0, le=20)
+    top_k: int = Field(None, ge=-1)  # -1 or 0: off, as in vLLM
+    min_tokens: int = Field(None, ge=0)
+    ignore_eos: bool = None
+    repetition_penalty: float = Field(None, gt=0, le=2)
+    presence_penalty: float = Field(None, ge=-2, le=2)
+    frequency_penalty: float = Field(None, ge=-2, le=2)
+    stop_token_ids: list[int] = None
+    include_stop_str_in_output: bool = None  # vLLM's: the matched stop string kept in the text
+    # OpenAI's logit_bias: token ids (JSON object keys, so strings) to a bias in [-100, 100]
+    logit_bias: dict[str, float] = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_ids_and_biases(cls, value):
+        return check_logit_bias(value)
+
+    @classmethod
+    def of(cls, value, struct: bool = False) -> dict:
+        """The keys the row sets; ValueError in one line if the value is not valid. A struct
+        column's row holds every field, with null for those the row does not set."""
+        if value is None or value == "":
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("not a JSON object: " + repr(value[:60])) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+        if struct:
+            value = {k: v for k, v in value.items() if v is not None}
+        try:
+            parsed = cls.model_validate(value)
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            got = f" (got {first['input']!r})" if "input" in first and key else ""
+            raise ValueError(f"{key}: {first['msg']}{got}"[:300]) from None
+        return parsed.model_dump(include=parsed.model_fields_set)
+
+
+def check_logit_bias(value):
+    """OpenAI's logit_bias checked: token ids (JSON keys, so strings) to numbers in
+    [-100, 100], as {"id": float}; ValueError says which entry is wrong."""
+    if not isinstance(value, dict):
+        return value
+    for token, bias in value.items():
+        if not str(token).isdigit():
+            raise ValueError(f"{token!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise ValueError(f"token {token}: the bias must be a number from -100 to 100")
+    return {str(k): float(v) for k, v in value.items()}
+
+
+def no_answer(result, budget_key: str = "sampling.max_tokens") -> str:
+    """A thinking model's row without an answer, in one line: why, and what to do."""
+    if result.finish_reason == "length":
+        # a job of steps is run again whole (--retry-errors runs a one-step job's rows only)
+        again = (f"--set {budget_key}=N --overwrite" if budget_key.startswith("steps.")
+                 else f"--retry-errors --set {budget_key}=N")
+        return (f"no answer: the thinking used all {result.completion_tokens} tokens of "
+                "max_tokens (which covers thinking and answer); run it again with a larger "
+                f"budget: {again}")
+    return f"no answer: the model ended while thinking (finish_reason {result.finish_reason})"
+
+
+def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
+    """A stable 31-bit seed per row and sample, the same in every run and on every replica."""
+    digest = hashlib.blake2b(repr((job_seed, key, sample_index)).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") & 0x7FFFFFFF
+
+
+class Predictor:
+    """``map_batches`` callable class: builds the engine in ``__init__`` from a picklable spec.
+    Without ``render``, its input is a ``PromptRenderer``'s output."""
+
+    def __init__(self, engine: EngineSpec, sampling: SamplingSpec, output_column: str,
+                 render: RenderSpec | None = None, health: str | None = None,
+                 stall_timeout_s: float | None = None):
+        where = replica_label()  # before the engine takes its placement group's GPUs
+        # engine death, poison rows and stalls (udfs/engines/recovery.py); past the restart bound
+        # this refuses before an engine is built
+        self.recovery = Recovery(health, stall_timeout_s)
+        self.renderer = PromptRenderer(render) if render is not None else None
+        # blocks arrive on several threads at once; a fast tokenizer is not to be shared
+        # across threads mid-call
+        self.render_lock = threading.Lock()
+        self.engine = build_engine(engine)
+        self.recovery.watch(self.engine)
+        threads = getattr(self.engine, "cpu_threads", None)  # a CPU engine's compute threads
+        dtype = getattr(self.engine, "dtype", None)
+        self.replica = json.dumps({**where, **({"cpu_threads": threads} if threads else {}),
+                                   **({"dtype": dtype} if dtype else {})})
+        self.sampling = sampling
+        self.output_column = output_column
+        self.ready_at = time.time()
+
+    def sharing(self, sampling: SamplingSpec, output_column: str,
+                render: RenderSpec) -> Predictor:
+        """Another step's predictor on this one's engine (udfs/stages/steps.py): its own prompt and
+        sampling; the same engine, recovery, render lock and replica."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.renderer = PromptRenderer(render)
+        other.sampling, other.output_column = sampling, output_column
+        return other
+
+    def _adapters(self, batch: pa.Table) -> tuple[list[str | None], dict[int, str]]:
+        """Each row's LoRA adapter (None: the base model), and the rows that name one the
+        job does not declare, with why."""
+        s = self.sampling
+        rows = batch.num_rows
+        if s.adapter_column is None:
+            return [s.adapter] * rows, {}
+        names, unknown = [], {}
+        for i, value in enumerate(batch.column(s.adapter_column).to_pylist()):
+            if value is None:
+                names.append(s.adapter)
+            elif value in s.adapters:
+                names.append(value)
+            else:
+                names.append(None)
+                unknown[i] = (f"{s.adapter_column}: {str(value)[:80]!r} is not one of the "
+                              f"job's adapters ({', '.join(s.adapters)})")
+        return names, unknown
+
+    def _request(self, token_ids: list[int], key, sample: int, max_tokens: int | None,
+                 messages: str | None, overrides: dict,
+                 adapter: str | None = None, images: list[dict] | None = None
+                 ) -> GenerationRequest:
+        s = self.sampling
+        cap = s.max_tokens if max_tokens is None else max(1, min(max_tokens, s.max_tokens))
+        temperature = overrides.get("temperature", s.temperature)
+        seed = overrides.get("seed")
+        if seed is not None:  # the request's own seed: each sample a different one
+            seed = (seed + sample) & 0x7FFFFFFF
+        elif temperature > 0:  # greedy needs no seed, and an unseeded request is cheaper
+            seed = row_seed(s.seed, key, sample)
+        schema = overrides.get("json_schema")
+        top_k = overrides.get("top_k", s.top_k)
+        top = max(self._top(overrides) or 0, s.confidence_top_k)
+        return GenerationRequest(
+            prompt_token_ids=token_ids, max_tokens=cap, temperature=temperature,
+            top_p=overrides.get("top_p", s.top_p), top_k=top_k if top_k and top_k > 0 else None,
+            min_tokens=overrides.get("min_tokens", s.min_tokens),
+            seed=seed, stop=tuple(overrides.get("stop", s.stop)),
+            ignore_eos=overrides.get("ignore_eos", s.ignore_eos),
+            repetition_penalty=overrides.get("repetition_penalty", s.repetition_penalty),
+            presence_penalty=overrides.get("presence_penalty", s.presence_penalty),
+            frequency_penalty=overrides.get("frequency_penalty", s.frequency_penalty),
+            stop_token_ids=tuple(overrides.get("stop_token_ids", s.stop_token_ids)),
+            include_stop=overrides.get("include_stop_str_in_output", False),
+            logprobs=top if self._top(overrides) is not None or s.confidence_top_k else None,
+            structured={"json": schema} if schema is not None else s.structured,
+            messages=json.loads(messages) if messages is not None else None,
+            logit_bias=(tuple((int(k), v) for k, v in overrides["logit_bias"].items())
+                        if overrides.get("logit_bias") is not None else s.logit_bias),
+            # its own prompt's ({} for none: not the engine's, which are the first step's)
+            chat_template_kwargs=(self.renderer.spec.chat_template_kwargs or {}
+                                  if self.renderer is not None else None),
+            adapter=adapter,
+            images=tuple(images or ()),
+            image_spec=self.renderer.spec.images if images and self.renderer else None,
+        )
+
+    def _top(self, overrides: dict) -> int | None:
+        """The top alternatives this row's logprobs column asks for; None: no column."""
+        if self.sampling.logprobs_column is None:
+            return None
+        return overrides["logprobs"] if "logprobs" in overrides else self.sampling.logprobs
+
+    def _scores(self, todo: list[int], results: list, overrides: list[dict],
+                rows: int) -> list[tuple[str, pa.Array]]:
+        """The logprobs and confidence columns, as the job asks for them."""
+        s, added = self.sampling, []
+        if s.logprobs_column is not None:
+            values = [None] * rows
+            for i, result in zip(todo, results):
+                top = self._top(overrides[i])
+                if top is not None and result.error is None:
+                    values[i] = truncate_top(result.logprobs, top)
+            added.append((s.logprobs_column, pa.array(values, LOGPROBS_TYPE)))
+        if s.confidence_column is not None:
+            labels = (s.structured or {}).get("choice") or ()
+            values = [None] * rows
+            for i, result in zip(todo, results):
+                if result.error is None and result.text is not None:
+                    # the answer's own tokens: a thinking model's thinking comes before it
+                    values[i] = label_confidence(labels, result.text,
+                                                 result.logprobs[result.answer_start:])
+            added.append((s.confidence_column, pa.array(values, pa.float64())))
+        return added
+
+    def __call__(self, batch: pa.Table, key=None) -> pa.Table:
+        # which block this is, for isolating poison rows (a user's own pipeline may have no
+        # ordinals, and runs without that); ``key``: a step's own (udfs/stages/steps.py)
+        block = key if key is not None else (
+            batch.column(columns.ORDINAL)[0].as_py()
+            if batch.num_rows and columns.ORDINAL in batch.column_names else -1)
+        if self.renderer is not None:
+            with self.render_lock:
+                batch = self.renderer(batch)
+        overrides, refused = self._overrides(batch)
+        adapters, unknown = self._adapters(batch)
+        ns = [o.get("n", self.sampling.n) for o in overrides]
+        expand = any(n != 1 for n in ns) or self.sampling.overrides_column is not None
+        if expand:  # one row per sample: the source columns repeated
+            samples = [k for n in ns for k in range(n)]
+            take = [i for i, n in enumerate(ns) for _ in range(n)]
+            batch = batch.take(take)
+            overrides = [overrides[i] for i in take]
+            adapters = [adapters[i] for i in take]
+            refused = {new: refused[old] for new, old in enumerate(take) if old in refused}
+            unknown = {new: unknown[old] for new, old in enumerate(take) if old in unknown}
+        else:
+            samples = [0] * batch.num_rows
+        token_ids = batch.column(columns.PROMPT_TOKEN_IDS).to_pylist()
+        for i in (*refused, *unknown):
+            token_ids[i] = None  # not generated: the row's error says why
+        keys = batch.column(self.sampling.key_column).to_pylist()
+        caps = (batch.column(self.sampling.max_tokens_column).to_pylist()
+                if self.sampling.max_tokens_column else [None] * batch.num_rows)
+        messages, images = (batch.column(name).to_pylist() if name in batch.column_names
+                            else [None] * batch.num_rows
+                            for name in (columns.PROMPT_MESSAGES, columns.PROMPT_IMAGES))
+        todo = [i for i, ids in enumerate(token_ids) if ids is not None]
+        results = self.recovery.generate(self.engine, block, [
+            self._request(token_ids[i], keys[i], samples[i], caps[i], messages[i], overrides[i],
+                          adapters[i], images[i])
+            for i in todo])
+
+        rows = batch.num_rows
+        text, completion = [None] * rows, [None] * rows
+        finish = batch.column(columns.FINISH_REASON).to_pylist()
+        kinds = batch.column(columns.ERROR_KIND).to_pylist()
+        errors = batch.column(columns.ERROR).to_pylist()
+        for i, message in refused.items():
+            if kinds[i] is None:  # a render error found first stands
+                kinds[i], errors[i] = ErrorKind.OVERRIDES, f"{self.sampling.overrides_column}: " \
+                    f"{message}"
+        for i, message in unknown.items():
+            if kinds[i] is None:
+                kinds[i], errors[i] = ErrorKind.ADAPTER, message
+        thinking = self.sampling.reasoning_column is not None
+        reasoning, reasoning_tokens = [None] * rows, [None] * rows
+        prompt_tokens = None
+        if columns.PROMPT_IMAGES in batch.column_names:  # the engine counts an image's tokens
+            prompt_tokens = batch.column(columns.PROMPT_TOKENS).to_pylist()
+        for i, result in zip(todo, results):
+            if prompt_tokens is not None and images[i] and result.prompt_tokens is not None:
+                prompt_tokens[i] = result.prompt_tokens
+            if result.error is not None:
+                kinds[i], errors[i] = result.error_kind or ErrorKind.ENGINE, result.error
+                continue
+            text[i], finish[i], completion[i] = (result.text, result.finish_reason,
+                                                 result.completion_tokens)
+            if thinking:
+                reasoning[i], reasoning_tokens[i] = result.reasoning, result.reasoning_tokens
+                if result.text is None:  # it thought and did not answer: retried with room
+                    kinds[i] = ErrorKind.NO_ANSWER
+                    errors[i] = no_answer(result, self.sampling.budget_key)
+        if prompt_tokens is not None:
+            if self.sampling.count_images:
+                batch = self._image_counts(batch, images, prompt_tokens)
+            batch = batch.set_column(batch.schema.get_field_index(columns.PROMPT_TOKENS),
+                                     columns.PROMPT_TOKENS, pa.array(prompt_tokens, pa.int64()))
+        batch = batch.drop_columns([c for c in (columns.PROMPT_TOKEN_IDS, columns.PROMPT_MESSAGES,
+                                                columns.PROMPT_IMAGES, columns.FINISH_REASON,
+                                                columns.ERROR_KIND, columns.ERROR)
+                                    if c in batch.column_names])
+        if expand:
+            batch = (batch
+                     .append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
+                     .append_column(columns.SAMPLES, pa.array([ns[i] for i in take],
+                                                              pa.int32())))
+        rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
+        for name, values in self._scores(todo, results, overrides, rows):
+            batch = batch.append_column(name, values)
+        if thinking:
+            batch = (batch.append_column(self.sampling.reasoning_column,
+                                         pa.array(reasoning, pa.string()))
+                     .append_column(columns.REASONING_TOKENS,
+                                    pa.array(reasoning_tokens, pa.int64())))
+        release_free_memory()
+        return (batch
+                .append_column(columns.REPLICA, rows_of(self.replica, pa.string()))
+                .append_column(columns.READY_AT, rows_of(self.ready_at, pa.float64()))
+                .append_column(columns.DONE_AT, rows_of(time.time(), pa.float64()))
+                .append_column(self.output_column, pa.array(text, pa.string()))
+                .append_column(columns.FINISH_REASON, pa.array(finish, pa.string()))
+                .append_column(columns.COMPLETION_TOKENS, pa.array(completion, pa.int64()))
+                .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
+                .append_column(columns.ERROR, pa.array(errors, pa.string())))
+
+    def _image_counts(self, batch: pa.Table, images: list, engine_counts: list) -> pa.Table:
+        """The image_count and image_tokens columns: a row's images, and the tokens the engine
+        counted in its prompt beyond the rendered text's (each image's placeholder there
+        replaced by the image's tokens); null where the engine did not take the row."""
+        rendered = batch.column(columns.PROMPT_TOKENS).to_pylist()
+        per_image = len(self.renderer._placeholder()) if self.renderer is not None else 0
+        count = [len(found) if found is not None else None for found in images]
+        tokens = [engine - text + n * per_image
+                  if found and engine is not None and text is not None and engine != text
+                  else (0 if found is not None and not found else None)
+                  for found, n, engine, text in zip(images, count, engine_counts, rendered)]
+        return (batch.append_column(columns.IMAGE_COUNT, pa.array(count, pa.int32()))
+                .append_column(columns.IMAGE_TOKENS, pa.array(tokens, pa.int64())))
+
+    def _overrides(self, batch: pa.Table) -> tuple[list[dict], dict[int, str]]:
+        """Each row's sampling overrides, and the rows whose overrides are not valid (they
+        run as one sample, not generated, with that error)."""
+        column = self.sampling.overrides_column
+        if column is None:
+            return [{} for _ in range(batch.num_rows)], {}
+        struct = pa.types.is_struct(batch.schema.field(column).type)
+        parsed, refused = [], {}
+        for i, value in enumerate(batch.column(column).to_pylist()):
+            try:
+                parsed.append(RowOverrides.of(value, struct))
+            except ValueError as exc:
+                parsed.append({})
+                refused[i] = str(exc)
+        return parsed, refused
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+# Seconds between two trims of the C heap in a process (see release_free_memory)
+TRIM_EVERY_S = 30.0
+_trim_lock = threading.Lock()
+_trimmed_at: float | None = None
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system, at most once every TRIM_EVERY_S
+    seconds. glibc keeps what a block's requests, tensors and Arrow buffers freed, and over a
+    long job that grew the engine's actor by several MiB a block while bare vLLM stayed flat;
+    trimmed now and then it levels off. Not after every block: a trim also hands back the
+    pages the engine reuses for each step's activations, which then fault in again. On the
+    prefill-heavy job (#24, 20k rows, max_tokens 1) trimming after every block cost the engine
+    thread ~20% more CPU, much of it in the kernel, and ~0.1 of bare vLLM's speed.
+    A no-op where the C library is not glibc."""
+    global _trimmed_at
+    if _malloc_trim is None:
+        return
+    with _trim_lock:
+        now = time.monotonic()
+        if _trimmed_at is not None and now - _trimmed_at < TRIM_EVERY_S:
+            return
+        _trimmed_at = now
+    _malloc_trim(0)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system now (glibc), whatever the time."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def release_memory() -> None:
+    """A worker that runs large tasks one after another (reading a unit of photos, compacting
+    a group): the pages one took go back to the system once it is done, rather than stay
+    with the allocators (Arrow's pool, glibc's heap) until the next."""
+    pa.default_memory_pool().release_unused()
+    trim_heap()
+
+
+def _find_malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
+
+
+def replica_label() -> dict:
+    """This replica as the run report names it: node address, actor, accelerators."""
+    import ray
+
+    if not ray.is_initialized():
+        return {"node": "local", "actor": None, "gpus": []}
+    ctx = ray.get_runtime_context()
+    actor = ctx.get_actor_id()
+    gpus = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])] or _group_gpus()
+    return {"node": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id()[:12],
+            "actor": actor[:12] if actor else None, "gpus": sorted(gpus)}
+
+
+def _group_gpus() -> list[str]:
+    """The GPU ids of this actor's placement group (tensor parallel), found by a short task
+    on each of its GPU bundles: the actor itself holds none of them."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return []
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    def gpu_ids() -> list:
+        return ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+
+    probes = [gpu_ids.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=i)).remote()
+        for i, bundle in enumerate(group.bundle_specs) if bundle.get("GPU")]
+    return [str(g) for ids in ray.get(probes) for g in ids]

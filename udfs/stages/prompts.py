@@ -1,0 +1,634 @@
+"""Prompt rendering: one row's columns -> a Jinja template -> the chat template -> token ids.
+
+Rendering happens on the CPU before the engine sees a row, so that a row that cannot become a
+prompt (a null in a template column, a prompt that cannot fit the context) is marked with an
+error here and never costs engine time. Templates run in Jinja's sandbox, and row values are
+only ever inserted as data: a value holding ``{{ ... }}`` stays literal text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pyarrow as pa
+from jinja2 import StrictUndefined, TemplateSyntaxError, meta, nodes
+from jinja2.sandbox import SandboxedEnvironment
+
+from udfs import columns
+from udfs.rows import images
+from udfs.stages.chat_content import (ContentError, image_placeholder, resolve_content_format,
+                               string_content)
+from udfs.columns import ErrorKind, FinishReason
+from udfs.rows.images import ImageSpec
+
+
+class TemplateError(ValueError):
+    """The prompt template does not parse; ``lineno`` is its line."""
+
+    def __init__(self, message: str, lineno: int | None):
+        super().__init__(message)
+        self.lineno = lineno
+
+
+# A template's name for the whole row: row["Product Name"] reaches a column whose name is no
+# Jinja name (a space, a dash, a leading digit); row.title is {{ title }}
+ROW = "row"
+
+
+def compile_template(source: str):
+    """Compile a template in the sandbox; returns (template, the column names it uses)."""
+    env = SandboxedEnvironment(undefined=StrictUndefined, autoescape=False,
+                               keep_trailing_newline=True)
+    # a null inside a struct or list (``Null``) is none to the template's tests, missing to
+    # ``default`` and null in ``tojson``, as a top-level null would be
+    env.tests["none"] = lambda value: value is None or isinstance(value, Null)
+    env.filters["default"] = env.filters["d"] = _default(env.filters["default"])
+    env.policies["json.dumps_kwargs"] = {**env.policies["json.dumps_kwargs"],
+                                         "default": _json_null}
+    try:
+        ast = env.parse(source)
+        template = env.from_string(source)
+    except TemplateSyntaxError as exc:
+        raise TemplateError(exc.message or str(exc), exc.lineno) from None
+    variables = meta.find_undeclared_variables(ast)
+    if ROW in variables:
+        variables = (variables - {ROW}) | _row_columns(ast)
+    return template, sorted(variables)
+
+
+def _row_columns(ast) -> set[str]:
+    """The columns a template reaches through ``row``: each use names its column, so that
+    pre-flight checks them and a row's nulls are found as for any other column."""
+    names, reached = set(), set()
+    for node in ast.find_all((nodes.Getitem, nodes.Getattr)):
+        if not (isinstance(node.node, nodes.Name) and node.node.name == ROW):
+            continue
+        if isinstance(node, nodes.Getattr):
+            names.add(node.attr)
+        elif isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
+            names.add(node.arg.value)
+        else:
+            raise TemplateError('row[...] takes a column\'s name in quotes, e.g. '
+                                'row["Product Name"]', node.lineno)
+        reached.add(id(node.node))
+    for name in ast.find_all(nodes.Name):
+        if name.name == ROW and name.ctx == "load" and id(name) not in reached:
+            raise TemplateError('row is the whole row: write row["column name"] (a column '
+                                'named row is row["row"])', name.lineno)
+    return names
+
+
+def render_template(template, row: dict, on_null: str = "error") -> str:
+    """``template`` on one row's values: each column by its name, and all of them as
+    ``row``. A null inside a column's struct or list follows ``on_null`` where the template
+    prints it (``Null``); the caller has dealt with a column that is null."""
+    row = {name: _with_nulls(value, name, on_null) for name, value in row.items()}
+    return template.render({**row, ROW: row})
+
+
+class NullValue(ValueError):
+    """A template printed a null inside a column (``on_null: error``): the row's error."""
+
+    def __init__(self, path: str):
+        super().__init__(f"{path!r} is null in this row")
+        self.path = path
+
+
+class Null:
+    """A null inside a struct or list, as a template sees it. Python's None would print as
+    the text "None" ("Color: None", "a, None"); this prints as ``on_null`` says: an error
+    naming its place (``meta.color``, ``tags[1]``), or nothing. It is false, equal to none,
+    and a field or item of it is null too."""
+
+    __slots__ = ("path", "on_null")
+
+    def __init__(self, path: str, on_null: str):
+        self.path, self.on_null = path, on_null
+
+    def __str__(self) -> str:
+        if self.on_null == "error":
+            raise NullValue(self.path)
+        return ""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __eq__(self, other) -> bool:
+        return other is None or isinstance(other, Null)
+
+    def __hash__(self) -> int:
+        return hash(None)
+
+    def __repr__(self) -> str:  # a whole struct printed: Python's text of it, as before
+        return "null"
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return Null(f"{self.path}.{name}", self.on_null)
+
+    def __getitem__(self, key):
+        return Null(f"{self.path}[{key!r}]", self.on_null)
+
+
+def _with_nulls(value, path: str, on_null: str):
+    """``value`` with each null inside it a ``Null`` that knows its place."""
+    if isinstance(value, dict):
+        return {k: Null(f"{path}.{k}", on_null) if v is None
+                else _with_nulls(v, f"{path}.{k}", on_null) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):  # (a map's items are tuples: kept so)
+        return type(value)(Null(f"{path}[{i}]", on_null) if v is None
+                           else _with_nulls(v, f"{path}[{i}]", on_null)
+                           for i, v in enumerate(value))
+    return value
+
+
+def _default(default):
+    def with_nulls(value, default_value="", boolean=False):
+        return default_value if isinstance(value, Null) else \
+            default(value, default_value, boolean)
+
+    return with_nulls
+
+
+def _json_null(value):
+    if isinstance(value, Null):
+        return None
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+@dataclass(frozen=True)
+class RenderSpec:
+    """What the renderer needs; small and picklable, sent to each Ray worker."""
+
+    template: str | None
+    tokenizer: str  # model name or path
+    max_model_len: int
+    max_tokens: int
+    system: str | None = None
+    chat: bool = True
+    on_too_long: str = "error"
+    on_null: str = "error"
+    trust_remote_code: bool = False
+    messages_column: str | None = None  # instead of a template: the row's chat messages
+    # Also keep each row's chat messages (JSON), for an engine that applies the chat template
+    # itself (the HTTP engine's chat endpoint); the token ids still decide length and errors.
+    keep_messages: bool = False
+    max_tokens_column: str | None = None  # a row's own max_tokens: its prompt may use the rest
+    # the chat template's own switches (enable_thinking...), as vLLM's chat path passes them
+    chat_template_kwargs: dict | None = None
+    # prompt.images: the columns of each row's images, which go into its user message before
+    # the text; a messages column's image_url parts are images too, wherever they stand
+    images: ImageSpec | None = None
+    # how the chat template reads a message's content (udfs/stages/chat_content.py): "auto" as
+    # vLLM's chat path tells it from the template, or "string" / "openai"
+    chat_template_content_format: str = "auto"
+
+
+def _decoded(value):
+    """A messages-column value: a list of messages, or a string holding JSON (a list of
+    messages, or a string: a raw prompt), or any other string: a raw prompt."""
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            return value
+        return decoded if isinstance(decoded, (list, str)) else value
+    return value
+
+
+def _messages(value) -> tuple[list[dict], list[dict]]:
+    """A row's messages column as chat messages, and the image sources its ``image_url`` parts
+    hold, in order; ValueError (a row error) if it is not. A content that is a list of parts
+    keeps its text parts and has ``{"type": "image"}`` where an image stands: the parts a chat
+    template reads, as vLLM's chat path gives them."""
+    value = _decoded(value)
+    if not isinstance(value, list) or not value:
+        raise ValueError("the messages column must hold a non-empty list of {role, content}")
+    out, found = [], []
+    for item in value:
+        content = item.get("content") if isinstance(item, dict) else None
+        if not isinstance(item, dict) or not isinstance(item.get("role"), str) \
+                or not isinstance(content, (str, list)):
+            raise ValueError(f"not a {{role, content}} message: {str(item)[:80]}")
+        if isinstance(content, list):
+            content = [_part(part, found) for part in content]
+        out.append({"role": item["role"], "content": content})
+    return out, found
+
+
+def _part(part, found: list[dict]) -> dict:
+    """One content part as a chat template reads it; an image's source added to ``found``."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise ValueError("an image_url part without a url")
+        # as OpenAI's API takes them: never a path, so a request cannot make a server read
+        # one of its own files
+        if not url.startswith(("data:", "http://", "https://")):
+            raise ValueError(f"an image_url must be a data: URL or an http(s) URL, not "
+                             f"{url[:60]!r}")
+        found.append({"bytes": None, "path": url})
+        return {"type": "image"}
+    raise ValueError(f"a content part must be text or image_url: {str(part)[:80]}")
+
+
+def user_content(text: str, count: int) -> str | list[dict]:
+    """A user message's content: the text, after ``count`` images (the order most
+    vision-language models are trained on)."""
+    if not count:
+        return text
+    return [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+class PromptRenderer:
+    """``map_batches`` callable: adds the prompt's token ids, its length and any row error.
+    Whatever fails for one row (its template, the model's chat template, its images, the
+    tokenizer) is that row's error, never the block's."""
+
+    def __init__(self, spec: RenderSpec, tokenizer=None, placeholder=None):
+        """``tokenizer``: the model's, loaded unless given (pre-flight gives the chat template
+        alone: udfs/stages/chat_content.py, TemplateOnly); ``placeholder``: n -> the n-th image's
+        text in a string-format template (default: vLLM's model class's)."""
+        self.spec = spec
+        if spec.messages_column is not None:
+            self.template, self.variables = None, [spec.messages_column]
+        else:
+            self.template, self.variables = compile_template(spec.template)
+        self.tokenizer = tokenizer or load_tokenizer(spec.tokenizer, spec.trust_remote_code)
+        self.use_chat = spec.chat and bool(getattr(self.tokenizer, "chat_template", None))
+        self.content_format = resolve_content_format(
+            _chat_template(self.tokenizer), spec.chat_template_content_format) \
+            if self.use_chat else "string"
+        self._image_mark = placeholder
+        self.budget = spec.max_model_len - spec.max_tokens
+        self.image_columns = spec.images.columns if spec.images is not None else ()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        values = {name: batch.column(name).to_pylist() for name in self.variables}
+        caps = (batch.column(self.spec.max_tokens_column).to_pylist()
+                if self.spec.max_tokens_column else [None] * batch.num_rows)
+        rows = [{name: values[name][i] for name in self.variables}
+                for i in range(batch.num_rows)]
+        found = self.images_of(batch, rows)
+        rendered = self.render_rows(rows, caps, found)
+        token_ids, lengths, reasons, kinds, errors = (list(c) for c in zip(*rendered)) \
+            if rendered else ([], [], [], [], [])
+        if self.spec.keep_messages:
+            counts = [self.images_count(f) for f in found or [None] * len(rows)]
+            messages = [self._messages_json(row, count) if ids is not None else None
+                        for row, ids, count in zip(rows, token_ids, counts)]
+            batch = batch.append_column(columns.PROMPT_MESSAGES, pa.array(messages, pa.string()))
+        if found is not None:  # the images of each prompt, loaded where the engine takes them
+            batch = batch.append_column(columns.PROMPT_IMAGES, pa.array(
+                [f if ids is not None and isinstance(f, list) else None
+                 for f, ids in zip(found, token_ids)], columns.PROMPT_IMAGES_TYPE))
+        return (batch
+                .append_column(columns.PROMPT_TOKEN_IDS, pa.array(token_ids, pa.list_(pa.int32())))
+                .append_column(columns.PROMPT_TOKENS, pa.array(lengths, pa.int64()))
+                .append_column(columns.FINISH_REASON, pa.array(reasons, pa.string()))
+                .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
+                .append_column(columns.ERROR, pa.array(errors, pa.string())))
+
+    def _messages_json(self, row: dict, count: int) -> str | None:
+        """The row's chat messages as JSON (rendered before, so they render again)."""
+        try:
+            return json.dumps(self.render_messages(self.fill_nulls(row), count))
+        except Exception:  # noqa: BLE001 - never the block's end: the row keeps its ids
+            return None
+
+    def images_of(self, batch: pa.Table, rows: list[dict]) -> list[list[dict] | str] | None:
+        """Each row's image sources, in the order its prompt holds them, or the one line of
+        why they cannot be (the row's image_error); None where the job has no images."""
+        if self.image_columns:
+            values = {name: batch.column(name).to_pylist() for name in self.image_columns}
+            return [self._column_images({n: values[n][i] for n in self.image_columns})
+                    for i in range(batch.num_rows)]
+        if self.template is None and self.spec.images is not None:  # image_url parts
+            found = []
+            for row in rows:
+                try:
+                    found.append(self.prompt(row)[2] if row[self.spec.messages_column]
+                                 is not None else [])
+                except Exception:  # noqa: BLE001 - rendering says why, as the row's error
+                    found.append([])
+            return found if any(found) else None
+        return None
+
+    def images_count(self, found: list[dict] | str | None) -> int:
+        """The images prompt.images columns add before a row's text (a messages column's
+        stand where its parts put them)."""
+        return len(found) if isinstance(found, list) and self.image_columns else 0
+
+    def _column_images(self, values: dict) -> list[dict] | str:
+        found = []
+        for name, value in values.items():
+            try:
+                one = images.sources(value)
+            except ValueError as exc:
+                return f"column {name!r}: {exc}"
+            if not one and self.spec.on_null == "error":
+                return f"column {name!r} is null in this row (prompt.on_null: empty sends " \
+                    "the prompt without it)"
+            found += one
+        return found
+
+    def prompt(self, row: dict, images_count: int = 0) -> tuple[str | None, list[dict] | None,
+                                                               list[dict]]:
+        """The row's prompt, rendered once: (a raw prompt, sent as it is, None, []) or (None,
+        chat messages: the system message, then the rendered template or the row's own, the
+        image sources its messages' image_url parts hold). ``images_count``: the row's images
+        from prompt.images columns, placed before the template's text."""
+        found: list[dict] = []
+        if self.template is None:
+            value = _decoded(row[self.spec.messages_column])
+            if isinstance(value, str):
+                return value, None, found
+            messages, found = _messages(value)
+        else:
+            user = render_template(self.template, row, self.spec.on_null)
+            if not self.use_chat:
+                if images_count:
+                    raise ValueError("images need the model's chat template, which places "
+                                     "them (prompt.chat is off, or the model has none)")
+                return user, None, found
+            messages = [{"role": "user", "content": user_content(user, images_count)}]
+        if self.spec.system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.spec.system})
+        return None, messages, found
+
+    def render_messages(self, row: dict, images_count: int = 0) -> list[dict]:
+        """The row as chat messages (a raw prompt as one user message)."""
+        raw, messages, _ = self.prompt(row, images_count)
+        return messages if raw is None else [{"role": "user", "content": raw}]
+
+    def render_text(self, row: dict, images_count: int = 0) -> str:
+        """The prompt as the engine will see it, before tokenization (an image as the chat
+        template's placeholder, which the engine expands into the image's tokens)."""
+        return self._text(*self.prompt(row, images_count)[:2])
+
+    def _text(self, raw: str | None, messages: list[dict] | None) -> str:
+        if raw is not None:
+            return raw
+        return self.tokenizer.apply_chat_template(self.for_template(messages), tokenize=False,
+                                                  add_generation_prompt=True,
+                                                  **(self.spec.chat_template_kwargs or {}))
+
+    def for_template(self, messages: list[dict]) -> list[dict]:
+        """The messages as the chat template reads them, as vLLM's chat path hands them over
+        (udfs/stages/chat_content.py): "openai", each content a list of parts (a text a text part);
+        "string", each content one string, an image's placeholder in it (a string-format
+        template given a list once stopped the job: "can only concatenate str (not list)")."""
+        out, taken = [], 0
+        for message in messages:
+            content = message["content"]
+            if self.content_format == "openai":
+                if isinstance(content, str):
+                    content = [{"type": "text", "text": content}]
+            elif isinstance(content, list):
+                content = string_content(content, self.image_mark, taken)
+                taken += sum(part.get("type") == "image" for part in message["content"])
+            out.append({**message, "content": content})
+        return out
+
+    def image_mark(self, n: int) -> str:
+        """The n-th image's placeholder in a string-format template's text."""
+        if self._image_mark is None:
+            self._image_mark = image_placeholder(self.spec.tokenizer,
+                                                 self.spec.trust_remote_code)
+        return self._image_mark(n)
+
+    @staticmethod
+    def fill_nulls(row: dict) -> dict:
+        """on_null: empty -> nulls as empty strings (render_row has refused them otherwise)."""
+        return {k: ("" if v is None else v) for k, v in row.items()}
+
+    def tokenize(self, text: str, chat: bool) -> list[int]:
+        # A chat template writes its own special tokens (BOS...): adding them again would
+        # change the prompt from what vLLM's chat path sends.
+        return self.tokenizer.encode(text, add_special_tokens=not chat)
+
+    def render_row(self, row: dict, max_tokens: int | None = None, found=None):
+        """-> (token ids to generate from or None, prompt length, finish_reason, error_kind,
+        error) for one row; ``max_tokens``: the row's own, when lower than the job's;
+        ``found``: its images (images_of)."""
+        text = self._render_text(row, found)
+        if isinstance(text, tuple):  # the row cannot become a prompt
+            return text
+        try:
+            ids = self.tokenize(*text)
+        except Exception as exc:  # noqa: BLE001 - a text the tokenizer refuses: the row's
+            return None, None, None, ErrorKind.RENDER, f"template failed on this row: {exc}"
+        return self._result(ids, found, max_tokens)
+
+    def _result(self, ids: list[int], found, max_tokens: int | None) -> tuple:
+        """The row's result for its token ids; an error on the way is the row's."""
+        try:
+            return self._placed(ids, found) or self._fit(ids, max_tokens)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, this row's alone
+            return None, len(ids), None, ErrorKind.RENDER, _line(
+                f"the prompt's images cannot be placed on this row: {exc}")
+
+    def render_rows(self, rows: list[dict], caps: list[int | None],
+                    found: list[list[dict] | str] | None = None) -> list[tuple]:
+        """``render_row`` of each row, the texts tokenized in one batch call. A fast
+        tokenizer's batch call releases the GIL while it runs (and may use spare cores): the
+        engine's own thread in this process is not held up behind a block's rendering, which
+        a call per row, holding the GIL, did. A subclass that renders rows its own way
+        (``render_row``) keeps it."""
+        if type(self).render_row is not PromptRenderer.render_row:
+            return [self._guarded(row, cap) for row, cap in zip(rows, caps)]
+        found = found or [None] * len(rows)
+        results: list = [self._render_text(row, images) for row, images in zip(rows, found)]
+        for chat in (True, False):
+            todo = [i for i, r in enumerate(results) if isinstance(r, list) and r[1] is chat]
+            if not todo:
+                continue
+            try:
+                encoded = self.tokenize_batch([results[i][0] for i in todo], chat)
+            except Exception:  # noqa: BLE001 - one text the tokenizer refuses: row by row
+                encoded = [None] * len(todo)
+            for i, ids in zip(todo, encoded):
+                results[i] = (self._result(ids, found[i], caps[i])
+                              if ids is not None else self.render_row(rows[i], caps[i], found[i]))
+        return results
+
+    def _guarded(self, row: dict, cap: int | None) -> tuple:
+        """A subclass's ``render_row``, whatever it raises this row's render_error."""
+        try:
+            return self.render_row(row, cap)
+        except Exception as exc:  # noqa: BLE001 - one row's, never the block's
+            return None, None, None, ErrorKind.RENDER, _line(f"template failed on this row: "
+                                                             f"{exc}")
+
+    def _placed(self, ids: list[int], found) -> tuple | None:
+        """None where the prompt's token ids hold one image placeholder per image; else the
+        row's image_error. A row's text holding the model's own image token (``<image>``)
+        would take an image's place, or leave one without a place (vLLM then fails)."""
+        if not isinstance(found, list) or not found:
+            return None
+        run = self._placeholder()
+        if not run:
+            return None
+        held = sum(1 for i in range(len(ids) - len(run) + 1) if ids[i:i + len(run)] == run)
+        if held == len(found):
+            return None
+        token = self.tokenizer.decode(run).strip()
+        return (None, len(ids), None, ErrorKind.IMAGE,
+                f"the prompt holds {held} image placeholders ({token!r}) for {len(found)} "
+                f"image(s): the row's text holds the model's image token, which is not "
+                "allowed in a text")
+
+    def _placeholder(self) -> list[int]:
+        """The token ids the chat template writes for one image: found once, by rendering a
+        message with and without an image part (a string-format template: the placeholder
+        vLLM puts in the text, as the tokenizer reads it)."""
+        if getattr(self, "_image_run", None) is None and self.content_format == "string" \
+                and self.use_chat:
+            self._image_run = self.tokenizer.encode(self.image_mark(1),
+                                                    add_special_tokens=False)
+        if getattr(self, "_image_run", None) is None:
+            def ids(content):
+                return self.tokenize(self._text(None, [{"role": "user", "content": content}]),
+                                     False)
+
+            text = {"type": "text", "text": "x"}
+            a, b = ids([{"type": "image"}, text]), ids([text])
+            head = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            tail = 0
+            while tail < len(b) - head and a[len(a) - 1 - tail] == b[len(b) - 1 - tail]:
+                tail += 1
+            self._image_run = a[head:len(a) - tail]
+        return self._image_run
+
+    def tokenize_batch(self, texts: list[str], chat: bool) -> list[list[int]]:
+        """``tokenize`` of each text, in one call: the same ids."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)  # a fast tokenizer's own
+        # (not where its tokenizer.json pads or truncates: all-MiniLM-L6-v2's pads every
+        # text to 128 with zeros, which encode() leaves to the caller)
+        if backend is not None and hasattr(backend, "encode_batch") \
+                and backend.padding is None and backend.truncation is None:
+            # encode_batch_fast (tokenizers >= 0.21) does not compute character offsets,
+            # which nothing here reads: the same ids for ~20% less CPU (0.12 against 0.15 ms
+            # a row on the prefill benchmark's prompts), CPU the engine's process shares
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=not chat)]
+        return self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
+
+    def _render_text(self, row: dict, found: list[dict] | str | None = None):
+        """[the prompt's text, whether it is chat] for a row, or the row's result (a tuple, as
+        ``render_row``'s) when it cannot become a prompt (a null, a template that fails, an
+        image column that holds no image). ``found``: the row's image sources (images_of)."""
+        if isinstance(found, str):
+            return None, None, None, ErrorKind.IMAGE, found
+        count = self.images_count(found)
+        nulls = [name for name, value in row.items() if value is None]
+        if nulls:
+            if self.spec.on_null == "error":
+                return (None, None, None, ErrorKind.NULL_FIELD,
+                        f"column {nulls[0]!r} is null in this row")
+            row = self.fill_nulls(row)
+        try:
+            raw, messages, _ = self.prompt(row, count)
+        except NullValue as exc:  # a null inside a column, printed: as a column's null
+            return None, None, None, ErrorKind.NULL_FIELD, str(exc)
+        except Exception as exc:  # a template error on this row's values: the row's problem
+            return None, None, None, ErrorKind.RENDER, _line(f"template failed on this row: "
+                                                             f"{exc}")
+        try:
+            text = self._text(raw, messages)
+        except ContentError as exc:  # the row's text holds more image placeholders
+            return None, None, None, ErrorKind.IMAGE, _line(str(exc))
+        except Exception as exc:  # noqa: BLE001 - the model's chat template, on this row
+            return None, None, None, ErrorKind.RENDER, _line(
+                f"the model's chat template failed on this row: {_reason(exc)}")
+        # vLLM's chat path tokenizes a multimodal model's prompt with its special tokens
+        # added (its processor's default), a text model's without
+        images = bool(self.image_columns) or bool(found)
+        return [text, raw is None and not images]
+
+    def _fit(self, ids: list[int], max_tokens: int | None = None):
+        """The row's result for its token ids: as they are, cut, skipped or an error."""
+        budget = self.budget
+        if max_tokens is not None:
+            budget = self.spec.max_model_len - max(1, min(max_tokens, self.spec.max_tokens))
+        if len(ids) <= budget:
+            return ids, len(ids), None, None, None
+        if self.spec.on_too_long == "truncate" and budget > 0:
+            head = budget // 2
+            ids = ids[:head] + ids[len(ids) - (budget - head):]
+            return ids, len(ids), None, None, None
+        if self.spec.on_too_long == "skip":
+            return None, len(ids), FinishReason.SKIPPED, None, None
+        return None, len(ids), None, ErrorKind.PROMPT_TOO_LONG, (
+            f"prompt has {len(ids)} tokens; max_model_len {self.spec.max_model_len} "
+            f"- max_tokens {self.spec.max_model_len - budget} leaves {budget}")
+
+
+def rows_fail_alike(spec: RenderSpec, table: pa.Table, key: str, trials: int = 20,
+                    least: int = 3) -> str | None:
+    """Where each of the first ``trials`` rows of ``table`` that can render (a null the row's
+    own error aside) fails to, with one and the same error, and at least ``least`` did: that
+    error, with the first such row's key ("row 'P01': the model's chat template failed on
+    this row: ..."); else None. Rendered as the job renders them, with the chat template
+    alone (``TemplateOnly``: no tokenizer, no torch); a model whose chat template is not in
+    its folder is not tried here. A string-format template's image placeholder stands in as
+    ``<image>`` (vLLM's own needs vLLM imported)."""
+    from udfs.stages.chat_content import TemplateOnly
+
+    template = TemplateOnly(spec.tokenizer)
+    if spec.chat and template.chat_template is None:
+        return None  # (its tokenizer may hold one pre-flight cannot see)
+    try:
+        renderer = PromptRenderer(spec, tokenizer=template, placeholder=lambda n: "<image>")
+    except Exception:  # noqa: BLE001 - a template pre-flight checks elsewhere
+        return None
+    sample = table.slice(0, trials)
+    rows = [{name: sample.column(name)[i].as_py() for name in renderer.variables}
+            for i in range(sample.num_rows)]
+    found = renderer.images_of(sample, rows) or [None] * len(rows)
+    keys = sample.column(key).to_pylist()
+    errors = []
+    for i, (row, sources) in enumerate(zip(rows, found)):
+        result = renderer._render_text(row, sources)
+        if isinstance(result, list):
+            return None  # a row renders: the others' errors are their own
+        if result[3] == ErrorKind.RENDER:
+            errors.append((keys[i], result[4]))
+    if len(errors) < least or len({error for _, error in errors}) != 1:
+        return None
+    if template.missing_names:
+        # a name the chat template found undefined here: one transformers may define (a
+        # tokenizer class's default bos_token), so the real tokenizer may render every row
+        return None
+    return f"row {errors[0][0]!r}: {errors[0][1]}"
+
+
+def _chat_template(tokenizer) -> str | None:
+    """The tokenizer's default chat template's text (a tokenizer may hold several, by name)."""
+    try:
+        return tokenizer.get_chat_template()
+    except Exception:  # noqa: BLE001 - none, or named ones without a default
+        template = getattr(tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+
+def _reason(exc: BaseException) -> str:
+    """What a template said: its own ``raise_exception`` message, or the error's."""
+    return str(exc) or type(exc).__name__
+
+
+def _line(text: str, limit: int = 500) -> str:
+    """A row's error in one line."""
+    return " ".join(text.split())[:limit]
