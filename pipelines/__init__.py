@@ -8,7 +8,7 @@ from pipelines.batchfile.batch import run_batch_file
 from pipelines.config import JobConfig, load_config
 from pipelines.errors import JobError
 from pipelines.job.pipeline import RunSummary, run_job
-from pipelines.report.run_report import report_lines
+from pipelines.report.report_text import report_lines
 
 __all__ = ["JobConfig", "JobError", "RunSummary", "load_config", "report_lines",
            "run_batch_file", "run_dataframe", "run_job"]

@@ -152,7 +152,7 @@ def cmd_run(args) -> int:
     from pipelines.config import load_config
     from pipelines.job.pipeline import run_job
     from pipelines.job.progress import Progress
-    from pipelines.report.run_report import report_lines
+    from pipelines.report.report_text import report_lines
 
     config = load_config(args.config, _overrides(args))
     progress = Progress(total=0, enabled=not args.quiet)
@@ -223,7 +223,9 @@ def cmd_status(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from pipelines.report.run_report import load_report, render_html, report_lines
+    from pipelines.report.report_html import render_html
+    from pipelines.report.report_text import report_lines
+    from pipelines.report.run_report import load_report
 
     report = load_report(args.output)
     for line in report_lines(report):

@@ -173,7 +173,7 @@ def test_the_report_counts_rows_and_tokens_per_adapter(lora_job, root):
                 for (name,), g in done.group_by("lang")}
     assert report["adapters"] == dict(sorted(expected.items()))
     assert report["adapters"]["de"]["rows"] == 8
-    from pipelines.report.run_report import report_lines
+    from pipelines.report.report_text import report_lines
 
     assert "adapter      de: 8 rows, " in "\n".join(report_lines(report))
 

@@ -329,7 +329,8 @@ def test_a_chat_template_that_fails_one_row_fails_that_row_alone(tiny_model, tmp
 
 
 def test_the_output_and_the_report_count_the_images_and_their_tokens(parity_job, folder):
-    from pipelines.report.run_report import load_report, report_lines
+    from pipelines.report.report_text import report_lines
+    from pipelines.report.run_report import load_report
 
     rows, out, _ = parity_job
     assert out.columns[-9:] == ["rewritten", "finish_reason", "prompt_tokens",

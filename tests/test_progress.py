@@ -204,7 +204,7 @@ def test_a_real_jobs_live_progress_has_an_eta_within_2x_after_the_first_fifth(
 
     # the report's throughput over time comes from the same live samples; its page shows
     # rows input beside output, and the replicas
-    from pipelines.report.run_report import render_html
+    from pipelines.report.report_html import render_html
 
     samples = summary.report["samples"]
     assert len(samples) >= 5 and samples[-1]["tokens"] >= samples[0]["tokens"]

@@ -182,7 +182,7 @@ def test_the_report_counts_thinking_apart_from_the_answer(thinking_job, root):
         "no_answer_rows": out.filter(pl.col("error_kind") == "no_answer").height,
         "no_answer_share": round(out.filter(pl.col("error_kind") == "no_answer").height
                                  / out.height, 4)}
-    from pipelines.report.run_report import report_lines
+    from pipelines.report.report_text import report_lines
 
     line = next(x for x in report_lines(report) if x.startswith("reasoning"))
     assert f"{report['reasoning']['no_answer_rows']} rows without an answer" in line

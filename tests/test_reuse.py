@@ -126,7 +126,7 @@ def test_the_report_counts_the_rows_and_tokens_reused(greedy_runs, reuse_tables)
     assert reuse["cost_saved"] == round(reuse["prompt_tokens_saved"] / 1e6 * PRICES["input"]
                                         + reuse["completion_tokens_saved"] / 1e6
                                         * PRICES["output"], 6)
-    from pipelines.report.run_report import report_lines
+    from pipelines.report.report_text import report_lines
 
     line = next(x for x in report_lines(incremental.report) if x.startswith("reuse"))
     assert f"{reuse['reused']:,} rows carried over" in line and "tokens not generated" in line
@@ -341,7 +341,7 @@ def test_a_changed_last_step_is_all_a_job_of_steps_generates_again(steps_runs, r
         f"reuse: {ROWS - len(NULLS)} of {ROWS} rows reusable from {reuse_tables / 'steps'}; "
         f"{len(NULLS)} to generate; {len(NULLS)} of them failed before (the steps before "
         "'judge': 'judge' and the steps after it run for every row)")
-    from pipelines.report.run_report import report_lines
+    from pipelines.report.report_text import report_lines
 
     line = next(x for x in report_lines(judged.report) if x.startswith("reuse"))
     assert "the steps before 'judge'" in line

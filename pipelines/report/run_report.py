@@ -2,7 +2,8 @@
 
 Written at the end of every run as ``OUTPUT.report.json`` beside the output (not inside it: the
 output directory holds Parquet parts only, so that ``pl.read_parquet(OUTPUT)`` reads it), printed
-as a short table, and rendered as a small HTML page by ``overnight report OUTPUT --html FILE``.
+as a short table (report_text.py), and rendered as a small HTML page by ``overnight report
+OUTPUT --html FILE`` (report_html.py).
 
 Row and token numbers are counted from the committed output itself; times come from the run's
 part records (which replica generated each block, when its engine was ready, when the block was
@@ -11,7 +12,6 @@ done), so a report rebuilt later from the output alone has every number but the 
 
 from __future__ import annotations
 
-import html
 import json
 import time
 from collections import defaultdict
@@ -22,7 +22,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
-from pipelines.reuse.carry import steps_carried
 from pipelines.storage import Location, scrub_record
 from pipelines.write import OutputStore, list_parts
 from udfs import columns
@@ -51,27 +50,52 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     output = Location.of(output)
     if stats is None:
         stats = output_stats(output, key)
+    errors = _errors_by_kind(stats)
+    steps = _steps(stats)
+    report = _counted(output, record, stats, errors, steps)
+    if steps:  # a job with steps: each step's rows in and out, dropped, errors, tokens, time
+        report["steps"] = steps
+    report.update(_model_sections(output, config, stats, errors, report))
+    report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
+    summary = record.get("summary") or {}
+    reuse = summary.get("reuse") or record.get("reuse")
+    if reuse:  # output.reuse: the rows carried over, and what generating them would cost
+        report["reuse"] = _reuse(reuse, (config.get("report") or {}).get("price_per_mtok"))
+    if timings and times is not None:
+        _add_times(report, timings, times, samples)
+    report["sample_rows"] = _sample_rows(output, config, key)
+    return report
+
+
+def _errors_by_kind(stats: list[dict]) -> dict[str, dict]:
+    """The output files' error counts by kind, added up, with a few example ids of each."""
     errors: dict[str, dict] = {}
     for file in stats:
         for kind, n in json.loads(file["errors"]).items():
             entry = errors.setdefault(kind, {"count": 0, "examples": []})
             entry["count"] += n
             entry["examples"].extend(file["error_examples"].get(kind, []))
-    errors = {kind: {"count": e["count"], "examples": [_plain(v) for v in
-                                                       e["examples"][:EXAMPLES]]}
-              for kind, e in sorted(errors.items())}
+    return {kind: {"count": e["count"], "examples": [_plain(v) for v in
+                                                     e["examples"][:EXAMPLES]]}
+            for kind, e in sorted(errors.items())}
+
+
+def _counted(output: Location, record: dict, stats: list[dict], errors: dict,
+             steps: list[dict]) -> dict:
+    """The sections every report has: the job's model and sampling, its rows, files and tokens
+    as counted from the output files, and the engines' recovery."""
+    config = record.get("config", {})
     rows = sum(f["rows"] for f in stats)
     failed = sum(e["count"] for e in errors.values())
     skipped = sum(f["skipped"] for f in stats)
     values = {column: _merged([f["values"][column] for f in stats])
               for column in (columns.PROMPT_TOKENS, columns.COMPLETION_TOKENS)}
     summary = record.get("summary") or {}
-    steps = _steps(stats)
     # rows a step dropped, written with output.keep_dropped: not ok (a step's skipped rows
     # are dropped rows too, counted once)
     kept_dropped = (sum(s["dropped"] for s in steps)
                     if steps and (config.get("output") or {}).get("keep_dropped") else 0)
-    report = {
+    return {
         "output": str(output),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "fingerprint": record.get("fingerprint_hash"),
@@ -92,35 +116,41 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
         "histogram": {"output_tokens": _histogram(values[columns.COMPLETION_TOKENS])},
         "recovery": summary.get("recovery") or {},
     }
-    if steps:  # a job with steps: each step's rows in and out, dropped, errors, tokens, time
-        report["steps"] = steps
+
+
+def _model_sections(output: Location, config: dict, stats: list[dict], errors: dict,
+                    report: dict) -> dict:
+    """The sections only some models have: a thinking model's reasoning, the images the
+    prompts held, the rows and tokens by LoRA adapter."""
+    sections = {}
+    rows = report["rows"]["output"]
     if (config.get("model") or {}).get("reasoning_parser"):
         # a thinking model: its output tokens split, thinking and answer (the hosted cost
         # counts both, as hosted APIs bill them), and the rows it thought away
         thinking = sum(f.get("reasoning_tokens", 0) for f in stats)
         out = report["tokens"]["output"]["total"]
         no_answer = errors.get(columns.ErrorKind.NO_ANSWER, {}).get("count", 0)
-        report["reasoning"] = {"reasoning_tokens": thinking, "answer_tokens": out - thinking,
-                               "no_answer_rows": no_answer,
-                               "no_answer_share": round(no_answer / rows, 4) if rows else 0.0}
+        sections["reasoning"] = {"reasoning_tokens": thinking, "answer_tokens": out - thinking,
+                                 "no_answer_rows": no_answer,
+                                 "no_answer_share": round(no_answer / rows, 4) if rows else 0.0}
     if (config.get("prompt") or {}).get("images"):  # the images the prompts held
-        report["images"] = {"images": sum(f.get(columns.IMAGE_COUNT, 0) for f in stats),
-                            "image_tokens": sum(f.get(columns.IMAGE_TOKENS, 0) for f in stats)}
+        sections["images"] = {"images": sum(f.get(columns.IMAGE_COUNT, 0) for f in stats),
+                              "image_tokens": sum(f.get(columns.IMAGE_TOKENS, 0)
+                                                  for f in stats)}
     if (config.get("model") or {}).get("adapters"):
-        report["adapters"] = adapter_counts(output, config)
-    report["cost"] = _cost((config.get("report") or {}).get("price_per_mtok"), report["tokens"])
-    reuse = summary.get("reuse") or record.get("reuse")
-    if reuse:  # output.reuse: the rows carried over, and what generating them would cost
-        report["reuse"] = _reuse(reuse, (config.get("report") or {}).get("price_per_mtok"))
-    if timings and times is not None:
-        report.update(_times(timings, times))
-        if samples:  # the throughput as the replicas generated it, not as parts landed
-            report["samples"] = [{"t": round(s["t"] - timings["started"], 2),
-                                  "tokens": s["tokens"]} for s in samples]
-            # engines waiting for blocks, summed over replicas: a starved engine shows here
-            report["time"]["engine_idle_s"] = round(samples[-1].get("idle_s", 0), 2)
-    report["sample_rows"] = _sample_rows(output, config, key)
-    return report
+        sections["adapters"] = adapter_counts(output, config)
+    return sections
+
+
+def _add_times(report: dict, timings: dict, times: RunTimes,
+               samples: list[dict] | None) -> None:
+    """This run's time split and throughput, and the throughput over time as sampled."""
+    report.update(_times(timings, times))
+    if samples:  # the throughput as the replicas generated it, not as parts landed
+        report["samples"] = [{"t": round(s["t"] - timings["started"], 2),
+                              "tokens": s["tokens"]} for s in samples]
+        # engines waiting for blocks, summed over replicas: a starved engine shows here
+        report["time"]["engine_idle_s"] = round(samples[-1].get("idle_s", 0), 2)
 
 
 BASE = "(base model)"  # the report's name for rows on no adapter
@@ -380,215 +410,3 @@ def load_report(output: str) -> dict:
         raise OutputError(f"{output!r}: no completed overnight output here (see overnight "
                           "status)")
     return build_report(output, record)
-
-
-def _recovery_lines(recovery: dict) -> list[str]:
-    """Engine restarts with their causes, blocks retried, rows isolated (udfs/engines/recovery.py)."""
-    restarts = recovery.get("restarts") or []
-    if not restarts and not recovery.get("retried_blocks"):
-        return []
-    lines = [f"recovery     {len(restarts)} engine restart(s), "
-             f"{recovery.get('retried_blocks', 0)} block(s) retried, "
-             f"{recovery.get('isolated_rows', 0)} row(s) isolated as engine_crash"]
-    for r in restarts:
-        lines.append(f"  restart    actor {str(r.get('actor'))[:12]}: {r.get('cause')}")
-    return lines
-
-
-def report_lines(report: dict) -> list[str]:
-    rows, tok = report["rows"], report["tokens"]
-    model = report.get("model") or {}
-    lines = [f"run report   {report['output']}  (model {model.get('name')}, fingerprint "
-             f"{report.get('fingerprint')})",
-             f"rows         {rows['input']} in -> {rows['output']} out: {rows['ok']} ok, "
-             f"{rows['skipped']} skipped, "
-             + (f"{rows['dropped']} dropped (kept), " if rows.get("dropped") else "")
-             + f"{rows['errors']} with errors"
-             + (f" ({rows['resumed']} from an earlier run)" if rows.get("resumed") else "")]
-    for kind, e in rows["errors_by_kind"].items():
-        lines.append(f"  {kind:<11}{e['count']}  e.g. {', '.join(map(str, e['examples']))}")
-    lines.extend(_recovery_lines(report.get("recovery") or {}))
-    for step in report.get("steps") or ():
-        lines.append(f"  step {step['name']:<10} {step['rows_in']:,} in -> {step['rows_out']:,} "
-                     f"out, {step['dropped']:,} dropped, {step['errors']:,} with errors; "
-                     f"tokens {step['prompt_tokens']:,} in, {step['completion_tokens']:,} out; "
-                     f"{step['seconds']:.1f} s in blocks")
-    for name, label in (("prompt", "tokens in"), ("output", "tokens out")):
-        s = tok[name]
-        lines.append(f"{label:<13}total {s['total']:,}  mean {_num(s['mean'])}  p50 "
-                     f"{_num(s['p50'])}  p95 {_num(s['p95'])}")
-    r = report.get("reasoning")
-    if r:
-        out = r["reasoning_tokens"] + r["answer_tokens"]
-        share = f" ({r['reasoning_tokens'] / out:.0%} of the output)" if out else ""
-        lines.append(f"reasoning    {r['reasoning_tokens']:,} thinking tokens{share}, "
-                     f"{r['answer_tokens']:,} answer; {r['no_answer_rows']:,} rows without an "
-                     f"answer ({r['no_answer_share']:.1%})")
-    i = report.get("images")
-    if i:
-        share = (f" ({i['image_tokens'] / tok['prompt']['total']:.0%} of the tokens in)"
-                 if tok["prompt"]["total"] else "")
-        lines.append(f"images       {i['images']:,} images, {i['image_tokens']:,} "
-                     f"tokens{share}")
-    for name, a in (report.get("adapters") or {}).items():
-        lines.append(f"adapter      {name}: {a['rows']:,} rows, {a['prompt_tokens']:,} prompt "
-                     f"+ {a['completion_tokens']:,} output tokens")
-    t = report.get("time")
-    if t:
-        lines.append(f"time         {t['total_s']:.1f} s = start-up {t['startup_s']:.1f} s "
-                     f"(pre-flight {t['preflight_s']:.1f}, "
-                     + (f"reuse {t['reuse_s']:.1f}, " if "reuse_s" in t else "")
-                     + f"Ray {t['ray_start_s']:.1f}, "
-                     f"engines {t['engine_start_s']:.1f}) + generation "
-                     f"{t['generation_s']:.1f} s + finish {t['finish_s']:.1f} s")
-        if t.get("engine_idle_s") is not None:
-            lines.append(f"engines idle {t['engine_idle_s']:.1f} s of the generation, waiting "
-                         "for blocks (summed over replicas)")
-        th = report["throughput"]
-        lines.append("throughput   - (no row generated: every row was reused)"
-                     if report.get("reuse") and not report["reuse"]["generated"] else
-                     f"throughput   {th['output_tokens_per_s']:,.0f} output tok/s over the "
-                     "generation" if th["output_tokens"] or "rows_per_s" not in th else
-                     f"throughput   {th['rows_per_s']:,.1f} rows/s, "
-                     f"{th['prompt_tokens_per_s']:,.0f} prompt tok/s (no output tokens: a "
-                     "pooling task)")
-        for r in th["per_replica"]:
-            gpus = ",".join(r["gpus"]) or (f"- ({r['cpu_threads']} CPU threads)"
-                                           if r.get("cpu_threads") else "-")
-            lines.append(f"  replica {r['node']} node {r.get('node_id')} actor {r['actor']} "
-                         f"gpus {gpus}"
-                         + (f", {r['dtype']}" if r.get("dtype") else "") + ": "
-                         f"{r['rows']} rows, {r['output_tokens']:,} tok, "
-                         f"{r['output_tokens_per_s']:,.0f} tok/s")
-    reuse = report.get("reuse")
-    if reuse:
-        saved = reuse["prompt_tokens_saved"] + reuse["completion_tokens_saved"]
-        lines.append(f"reuse        {reuse['reused']:,} rows carried over from {reuse['source']}"
-                     f"{steps_carried(reuse)}, "
-                     f"{reuse['generated']:,} generated, {reuse['dropped']:,} earlier rows no "
-                     f"longer asked for; {saved:,} tokens not generated again"
-                     + (f" (${reuse['cost_saved']:.4f} hosted)" if "cost_saved" in reuse else "")
-                     + (f"; none reused: {reuse['why_none']}" if reuse.get("why_none")
-                        and not reuse["reused"] else ""))
-    cost = report.get("cost")
-    if cost:
-        p = cost["price_per_mtok"]
-        lines.append(f"hosted cost  ${cost['total']:.4f} at ${p['input']}/${p['output']} per "
-                     f"Mtok in/out (${cost['input']:.4f} + ${cost['output']:.4f})")
-    return lines
-
-
-def _num(value) -> str:
-    return "-" if value is None else f"{value:g}"
-
-
-# --- HTML ----------------------------------------------------------------------------------
-
-def render_html(report: dict) -> str:
-    """One self-contained page: the table above, an output-length histogram and throughput
-    over time, drawn as inline SVG (no script, no network)."""
-    hist = report["histogram"]["output_tokens"]
-    bars = [(f"{lo}-{hi - 1}", n) for lo, hi, n in
-            zip(hist["edges"], hist["edges"][1:], hist["counts"])]
-    charts = [_svg_bars("Output length (tokens per row)", bars, "rows")]
-    if report.get("steps"):  # the funnel: the rows each step passes on
-        first = report["steps"][0]
-        charts.insert(0, _svg_bars("Rows at each step (the funnel: input, then each step's "
-                                   "rows out)", [("input", first["rows_in"])] + [
-            (s["name"], s["rows_out"]) for s in report["steps"]], "rows"))
-    samples = report.get("samples") or []
-    timeline = report.get("timeline") or []
-    if len(samples) > 1:
-        charts.append(_svg_bars("Throughput over time (output tokens/s, sampled from the "
-                                "replicas as they generate)", _sampled_rates(samples), "tok/s"))
-    elif timeline:
-        charts.append(_svg_bars("Throughput over time (output tokens/s, per part written)",
-                                _rates(timeline, report["time"]["startup_s"]), "tok/s"))
-    table = "\n".join(html.escape(line) for line in report_lines(report))
-    tables = "".join([_html_table("Sample rows: input and output", report.get("sample_rows")),
-                      _html_table("Errors by kind", [
-                          {"kind": k, "rows": e["count"],
-                           "example ids": ", ".join(map(str, e["examples"]))}
-                          for k, e in report["rows"]["errors_by_kind"].items()]),
-                      _html_table("Steps", report.get("steps")),
-                      _html_table("Replicas", (report.get("throughput") or {}).get(
-                          "per_replica"))])
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>overnight report: {html.escape(report['output'])}</title>
-<style>
-body {{ font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; max-width: 60em; }}
-pre {{ background: #f6f6f4; padding: 1em; white-space: pre-wrap; }}
-svg {{ display: block; margin: 1.5em 0; }}
-table {{ border-collapse: collapse; margin: 1em 0 2em; font-size: 13px; }}
-th, td {{ border: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }}
-th {{ background: #f0f0ec; }}
-.bar {{ fill: #4a7ab7; }} .axis {{ stroke: #888; }} text {{ font-size: 11px; fill: #333; }}
-</style></head><body>
-<h1>overnight run report</h1>
-<pre>{table}</pre>
-{''.join(charts)}
-{tables}
-</body></html>
-"""
-
-
-def _html_table(title: str, rows: list[dict] | None) -> str:
-    if not rows:
-        return ""
-    heads = list(dict.fromkeys(k for row in rows for k in row))
-    cell = lambda v: "" if v is None else html.escape(str(v))  # noqa: E731
-    body = "".join("<tr>" + "".join(f"<td>{cell(row.get(h))}</td>" for h in heads) + "</tr>"
-                   for row in rows)
-    return (f"<h2>{html.escape(title)}</h2><table><tr>"
-            + "".join(f"<th>{html.escape(h)}</th>" for h in heads) + f"</tr>{body}</table>")
-
-
-def _sampled_rates(samples: list[dict], bins: int = 20) -> list[tuple[str, float]]:
-    """Output tokens/s between the replicas' samples, in equal time slices."""
-    start, end = samples[0]["t"], samples[-1]["t"]
-    width = max((end - start) / bins, 1e-3)
-    tokens = [0.0] * bins
-    for before, after in zip(samples, samples[1:]):
-        tokens[min(int((after["t"] - start) / width), bins - 1)] += \
-            after["tokens"] - before["tokens"]
-    digits = 0 if width >= 1 else 1
-    return [(f"{start + i * width:.{digits}f}s", n / width) for i, n in enumerate(tokens)]
-
-
-def _rates(timeline: list[dict], startup: float, bins: int = 20) -> list[tuple[str, float]]:
-    """Output tokens/s in equal time slices from the first engine ready to the last part, each
-    part's tokens counted in the slice where it finished."""
-    end = timeline[-1]["t"]
-    width = max((end - startup) / bins, 1e-3)
-    tokens = [0] * bins
-    for entry in timeline:
-        tokens[min(int((entry["t"] - startup) / width), bins - 1)] += entry["output_tokens"]
-    digits = 0 if width >= 1 else 1
-    return [(f"{startup + i * width:.{digits}f}s", n / width) for i, n in enumerate(tokens)]
-
-
-def _svg_bars(title: str, bars: list[tuple[str, float]], unit: str,
-              width: int = 720, height: int = 220) -> str:
-    if not bars:
-        return ""
-    top = max(v for _, v in bars) or 1
-    left, bottom, plot_h = 50, 40, height - 70
-    step = (width - left - 10) / len(bars)
-    parts = [f'<svg width="{width}" height="{height}" role="img" '
-             f'aria-label="{html.escape(title)}">',
-             f'<text x="{left}" y="16" style="font-size:13px">{html.escape(title)}</text>',
-             f'<line class="axis" x1="{left}" y1="{height - bottom}" x2="{width - 10}" '
-             f'y2="{height - bottom}"/>',
-             f'<text x="4" y="34">{top:,.0f} {unit}</text>']
-    label_every = max(1, len(bars) // 10)
-    for i, (label, value) in enumerate(bars):
-        h = plot_h * value / top
-        x = left + i * step
-        parts.append(f'<rect class="bar" x="{x + 1:.1f}" y="{height - bottom - h:.1f}" '
-                     f'width="{max(step - 2, 1):.1f}" height="{h:.1f}">'
-                     f'<title>{html.escape(label)}: {value:,.0f} {unit}</title></rect>')
-        if i % label_every == 0:
-            parts.append(f'<text x="{x + 1:.1f}" y="{height - bottom + 14}">'
-                         f'{html.escape(label)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)

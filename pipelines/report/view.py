@@ -84,7 +84,8 @@ class JobView:
 
                 steps = add_steps(steps or [], counts["steps"])
         config = record.get("config") or {}
-        from pipelines.report.run_report import report_lines, report_path
+        from pipelines.report.report_text import report_lines
+        from pipelines.report.run_report import report_path
 
         report = _read_json(report_path(self.store.path)) \
             if record.get("state") == "complete" else None
