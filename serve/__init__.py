@@ -9,6 +9,8 @@ The server owns HTTP, state, access and the engine; every batch runs as ``overni
 - ``runner``: the queue, several batches at once on that engine, each in a batch worker
   (``worker``), or one at a time as an ``overnight batch`` child process with its own engine;
 - ``processes``: those children's process groups and sessions, found and killed whole;
-- ``app``: the FastAPI routes, bearer keys and OpenAI's error objects; ``anthropic``: the
-  Message Batches routes, ``x-api-key`` and Anthropic's objects.
+- ``app``: the FastAPI app assembled: ``keys`` (the key check), ``routes_files``,
+  ``routes_batches``, ``routes_view`` (the pages), ``answers`` (OpenAI's error objects),
+  ``body_limit``; ``anthropic``: the Message Batches routes, ``x-api-key`` and Anthropic's
+  objects.
 """
