@@ -17,6 +17,8 @@ log = logging.getLogger("overnight.serve")
 
 
 class APIError(Exception):
+    """A refusal a route raises, answered in OpenAI's error object with its status."""
+
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
@@ -26,6 +28,7 @@ class APIError(Exception):
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
+    """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -40,15 +43,18 @@ def problem(path: str, status: int, message: str, *, param: str | None = None,
 
 
 def answer(exc: APIError) -> JSONResponse:
+    """An APIError as the response it stands for."""
     return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), exc.status)
 
 
 def file_too_large(limit: int) -> APIError:
+    """An upload past ``limit`` bytes: the 413 of ``POST /v1/files``."""
     return APIError(413, f"File too large: the limit is {limit} bytes.", param="file",
                     code="file_too_large")
 
 
 def check_page(limit: int, most: int, order: str) -> None:
+    """A list call's ``limit`` (1 to ``most``) and ``order`` checked, a 400 naming the bad one."""
     if not 1 <= limit <= most:
         raise APIError(400, f"Invalid 'limit': must be between 1 and {most}.", param="limit",
                        code="invalid_value")
@@ -58,6 +64,7 @@ def check_page(limit: int, most: int, order: str) -> None:
 
 
 def page(data: list[dict], has_more: bool) -> dict:
+    """A list call's answer: OpenAI's list object."""
     return {"object": "list", "data": data, "has_more": has_more,
             "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None}

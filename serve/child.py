@@ -68,6 +68,7 @@ def own_error(folder: Path) -> str | None:
 
 
 def death_cause(returncode: int) -> str:
+    """How the child ended, in words, from its exit status (a signal, or a bare exit)."""
     if returncode < 0:
         try:
             return f"was killed by {signal.Signals(-returncode).name}"
@@ -77,6 +78,7 @@ def death_cause(returncode: int) -> str:
 
 
 def read_deaths(folder: Path) -> list[dict]:
+    """The batch's recorded deaths (DEATHS), oldest first; none if it never died."""
     try:
         text = (folder / DEATHS).read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -120,6 +120,7 @@ def errors_file(batch: dict, folder: Path) -> Path | None:
 
 
 def one_error(code: str, message: str) -> dict:
+    """A batch's ``errors`` holding one error, as the hosted API lists them."""
     return {"object": "list", "data": [{"code": code, "message": message, "param": None,
                                         "line": None}]}
 
