@@ -60,48 +60,54 @@ def add_routes(app: FastAPI, store: Store, runner, *, window_s: float,
                max_requests: int = MAX_REQUESTS, max_bytes: int = MAX_BYTES) -> None:
     """The Message Batches endpoints on ``app`` (whose middleware has set
     ``request.state.owner`` from the ``x-api-key`` header)."""
+    routes = MessageBatchRoutes(store, runner, window_s=window_s, max_requests=max_requests,
+                                max_bytes=max_bytes)
+    app.add_exception_handler(AnthropicError, _error)
+    app.post(PREFIX)(routes.create)
+    app.get(PREFIX)(routes.list_batches)
+    app.get(PREFIX + "/{batch_id}")(routes.retrieve)
+    app.post(PREFIX + "/{batch_id}/cancel")(routes.cancel)
+    app.delete(PREFIX + "/{batch_id}")(routes.delete)
+    app.get(PREFIX + "/{batch_id}/results")(routes.results)
 
-    @app.exception_handler(AnthropicError)
-    async def _error(request: Request, exc: AnthropicError):
-        return error_response(exc.status, exc.kind, exc.message)
 
-    @app.post(PREFIX)
-    async def create(request: Request):
+async def _error(request: Request, exc: AnthropicError):
+    return error_response(exc.status, exc.kind, exc.message)
+
+
+class MessageBatchRoutes:
+    """The handlers of the Message Batches endpoints, one method each, over one store."""
+
+    def __init__(self, store: Store, runner, *, window_s: float, max_requests: int,
+                 max_bytes: int):
+        self.store, self.runner, self.window_s = store, runner, window_s
+        self.max_requests, self.max_bytes = max_requests, max_bytes
+
+    async def create(self, request: Request):
         declared = int(request.headers.get("content-length") or 0)
-        if declared > max_bytes:
-            raise _too_large(max_bytes)
+        if declared > self.max_bytes:
+            raise _too_large(self.max_bytes)
         body = await request.body()
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes)
+        if len(body) > self.max_bytes:
+            raise _too_large(self.max_bytes)
         try:
             params = json.loads(body)
         except (ValueError, RecursionError):  # a nesting too deep for json.loads too
             raise AnthropicError(400, "invalid_request_error",
                                  "The request body is not valid JSON.") from None
         requests = params.get("requests") if isinstance(params, dict) else None
-        _check_requests(requests, max_requests)
+        _check_requests(requests, self.max_requests)
         extra = sorted(set(params) - {"requests"})
         if extra:
             raise AnthropicError(400, "invalid_request_error",
                                  f"{extra[0]}: Extra inputs are not permitted")
-        now = int(time.time())
-        batch = {
-            "id": new_id("msgbatch_"), "object": "batch", "api": "anthropic",
-            "endpoint": ENDPOINT, "errors": None, "input_file_id": None,
-            "completion_window": "24h", "status": "in_progress",  # checked: queued
-            "output_file_id": None, "error_file_id": None, "created_at": now,
-            "in_progress_at": None, "expires_at": now + max(1, int(window_s)),
-            "finalizing_at": None, "completed_at": None, "failed_at": None,
-            "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": len(requests), "completed": 0, "failed": 0},
-            "metadata": None, "model": runner.served_model, "usage": None}
-        await run_in_threadpool(_stage, store, batch["id"], requests)
-        store.add_batch(request.state.owner, batch)
-        runner.wake()
+        batch = _new_message_batch(len(requests), self.runner.served_model, self.window_s)
+        await run_in_threadpool(_stage, self.store, batch["id"], requests)
+        self.store.add_batch(request.state.owner, batch)
+        self.runner.wake()
         return as_message_batch(batch, request)
 
-    @app.get(PREFIX)
-    def list_batches(request: Request, limit: int = 20, before_id: str | None = None,
+    def list_batches(self, request: Request, limit: int = 20, before_id: str | None = None,
                      after_id: str | None = None):
         if not 1 <= limit <= 1000:
             raise AnthropicError(400, "invalid_request_error",
@@ -109,41 +115,37 @@ def add_routes(app: FastAPI, store: Store, runner, *, window_s: float,
         if before_id and after_id:
             raise AnthropicError(400, "invalid_request_error",
                                  "give before_id or after_id, not both")
-        data, more = store.list_batches(request.state.owner, after=after_id, before=before_id,
-                                        limit=limit, api="anthropic")
+        data, more = self.store.list_batches(request.state.owner, after=after_id,
+                                             before=before_id, limit=limit, api="anthropic")
         shown = [as_message_batch(b, request) for b in data]
         return {"data": shown, "has_more": more,
                 "first_id": shown[0]["id"] if shown else None,
                 "last_id": shown[-1]["id"] if shown else None}
 
-    @app.get(PREFIX + "/{batch_id}")
-    def retrieve(request: Request, batch_id: str):
-        return as_message_batch(_batch(store, request, batch_id), request)
+    def retrieve(self, request: Request, batch_id: str):
+        return as_message_batch(_batch(self.store, request, batch_id), request)
 
-    @app.post(PREFIX + "/{batch_id}/cancel")
-    def cancel(request: Request, batch_id: str):
-        batch = _batch(store, request, batch_id)
+    def cancel(self, request: Request, batch_id: str):
+        batch = _batch(self.store, request, batch_id)
         if batch["status"] not in ("validating", "in_progress", "cancelling"):
             return as_message_batch(batch, request)  # ended: Anthropic answers with it
-        moved = store.update_batch(batch_id, only_if=("validating", "in_progress"),
-                                   status="cancelling", cancelling_at=int(time.time()))
-        runner.wake()
-        return as_message_batch(moved or _batch(store, request, batch_id), request)
+        moved = self.store.update_batch(batch_id, only_if=("validating", "in_progress"),
+                                        status="cancelling", cancelling_at=int(time.time()))
+        self.runner.wake()
+        return as_message_batch(moved or _batch(self.store, request, batch_id), request)
 
-    @app.delete(PREFIX + "/{batch_id}")
-    def delete(request: Request, batch_id: str):
-        batch = _batch(store, request, batch_id)
+    def delete(self, request: Request, batch_id: str):
+        batch = _batch(self.store, request, batch_id)
         if as_message_batch(batch, request)["processing_status"] != "ended":
             raise AnthropicError(400, "invalid_request_error",
                                  f"Batch {batch_id} is still processing; cancel it, and "
                                  "delete it once it has ended.")
-        store.delete_batch(request.state.owner, batch_id)
+        self.store.delete_batch(request.state.owner, batch_id)
         return {"id": batch_id, "type": "message_batch_deleted"}
 
-    @app.get(PREFIX + "/{batch_id}/results")
-    def results(request: Request, batch_id: str):
-        batch = _batch(store, request, batch_id)
-        path = store.batch_dir(batch_id) / RESULTS
+    def results(self, request: Request, batch_id: str):
+        batch = _batch(self.store, request, batch_id)
+        path = self.store.batch_dir(batch_id) / RESULTS
         if as_message_batch(batch, request)["processing_status"] != "ended":
             raise AnthropicError(400, "invalid_request_error",
                                  f"Batch {batch_id} has not ended; its results are not ready.")
@@ -151,6 +153,21 @@ def add_routes(app: FastAPI, store: Store, runner, *, window_s: float,
             raise AnthropicError(404, "not_found_error",
                                  f"Batch {batch_id} has no results.")
         return FileResponse(path, media_type="application/binary")
+
+
+def _new_message_batch(total: int, model: str, window_s: float) -> dict:
+    """A message batch as the store records it, queued (in_progress), not yet validated."""
+    now = int(time.time())
+    return {
+        "id": new_id("msgbatch_"), "object": "batch", "api": "anthropic",
+        "endpoint": ENDPOINT, "errors": None, "input_file_id": None,
+        "completion_window": "24h", "status": "in_progress",  # checked: queued
+        "output_file_id": None, "error_file_id": None, "created_at": now,
+        "in_progress_at": None, "expires_at": now + max(1, int(window_s)),
+        "finalizing_at": None, "completed_at": None, "failed_at": None,
+        "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+        "request_counts": {"total": total, "completed": 0, "failed": 0},
+        "metadata": None, "model": model, "usage": None}
 
 
 def as_message_batch(batch: dict, request: Request) -> dict:

@@ -26,28 +26,22 @@ load an engine of their own, as ``overnight batch`` does.
 While it runs, ``request_counts`` is read from those committed parts (each part once), in the
 job's staging folder ``results.jsonl.overnight/output.partial/``. A cancelled batch gets the
 results of the parts done so far, written by ``pipelines.batchfile.batch.write_results`` as the CLI
-writes them at the end of a run.
+writes them at the end of a run (both: serve/results.py; the child itself: serve/child.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from pipelines.storage import Location
-from pipelines.write import list_parts
-from serve.processes import die_with_parent, group, kill_group, kill_session
-from serve.store import ERRORS, INPUT, RESULTS, Store
+from serve.child import (RUN_MARK, death_cause, own_error, read_deaths, record_death, spawn,
+                         stop_stale_child)
+from serve.processes import kill_group, kill_session
+from serve.results import deliver, errors_file, finalize, one_error, update_counts
+from serve.store import INPUT, RESULTS, Store
 from serve.validate import check_input_file
 from serve.worker import Worker, WorkerRun
 
@@ -56,9 +50,8 @@ log = logging.getLogger("overnight.serve")
 POLL = 0.5  # seconds between looks at a running child (counts, cancel)
 # A child that dies without its own error (the OOM killer's SIGKILL, a crash) is started again
 # from the job's committed parts, up to this many runs in all; each death is one line of
-# DEATHS in the batch's folder (when, how), which survives a restart of the server.
+# DEATHS in the batch's folder (serve/child.py), which survives a restart of the server.
 ATTEMPTS = 3
-DEATHS = "deaths.jsonl"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 EMBEDDINGS = "/v1/embeddings"  # a batch of these runs on an engine of its own
 # a stopped batch's final status, by the type its requests not reached were given
@@ -180,7 +173,7 @@ class Runner:
                 self._guard(batch_id, self._finish_cancel, batch_id)
         for batch_id in self.store.batches_in("finalizing"):
             if batch_id not in self.running:
-                self._guard(batch_id, self._finalize, batch_id, "completed")
+                self._guard(batch_id, finalize, self.store, batch_id, "completed")
 
     def _expired(self, batch_id: str) -> bool:
         """True, and the batch expired with the results done so far (as the hosted API does),
@@ -194,9 +187,9 @@ class Runner:
         return True
 
     def _expire(self, batch_id: str) -> None:
-        _stop_stale_child(self.store, batch_id)
+        stop_stale_child(self.store, batch_id)
         self._deliver(batch_id, "expired")
-        self._finalize(batch_id, "expired", only_if=("in_progress",))
+        finalize(self.store, batch_id, "expired", only_if=("in_progress",))
 
     def _stop_child(self, batch_id: str) -> None:
         child = self.running.pop(batch_id, None)
@@ -212,7 +205,7 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - the queue must go on
             log.exception("batch %s: %s", batch_id, type(exc).__name__)
             self._stop_child(batch_id)
-            now, errors = int(time.time()), _one_error("server_error", type(exc).__name__)
+            now, errors = int(time.time()), one_error("server_error", type(exc).__name__)
             if self._end_with_results(batch_id, errors):
                 return
             if self.store.update_batch(batch_id, only_if=("cancelling",), status="cancelled",
@@ -231,7 +224,7 @@ class Runner:
                         else ("failed", "errored"))
         try:
             self._deliver(batch_id, kind)
-            self._finalize(batch_id, status, only_if=UNFINISHED, errors=errors)
+            finalize(self.store, batch_id, status, only_if=UNFINISHED, errors=errors)
         except Exception:  # noqa: BLE001 - the same bug again, most likely
             log.exception("batch %s: its results could not be delivered", batch_id)
             return False
@@ -241,20 +234,20 @@ class Runner:
         from pipelines.batchfile.batch import finish_write
 
         folder = self.store.batch_dir(batch_id)
-        _stop_stale_child(self.store, batch_id)
+        stop_stale_child(self.store, batch_id)
         batch = self.store.get_batch(None, batch_id)
-        written = finish_write(folder / RESULTS, _errors_file(batch, folder))
+        written = finish_write(folder / RESULTS, errors_file(batch, folder))
         if written is not None:  # the child finished, or a stop delivered its files; the
             # server did not see the end: the batch ends as the files say
             stopped = written.get("unfinished")
-            self._finalize(batch_id, FINAL_STATUS.get(stopped, "completed"),
-                           only_if=("in_progress", "finalizing"),
-                           **({"errors": _one_error("batch_failed", "the batch stopped "
-                                                    "before its end; the results done are "
-                                                    "delivered")}
-                              if stopped == "errored" else {}))
+            finalize(self.store, batch_id, FINAL_STATUS.get(stopped, "completed"),
+                     only_if=("in_progress", "finalizing"),
+                     **({"errors": one_error("batch_failed", "the batch stopped "
+                                             "before its end; the results done are "
+                                             "delivered")}
+                        if stopped == "errored" else {}))
             return
-        deaths = _deaths(folder)
+        deaths = read_deaths(folder)
         if len(deaths) >= ATTEMPTS:  # given up before a restart, not yet delivered
             self._give_up(batch_id, deaths)
             return
@@ -272,7 +265,7 @@ class Runner:
                 self._stop_child(batch_id)
                 self._finish_cancel(batch_id)
                 return
-            self._update_counts(batch_id)
+            update_counts(self.store, batch_id, self._counted)
             return
         if isinstance(child, WorkerRun) and child.returncode == 0 and child.worker.alive():
             del self.running[batch_id]  # the worker, ready for the next batch
@@ -284,18 +277,15 @@ class Runner:
         if child.returncode == 0 and self.store.update_batch(
                 batch_id, only_if=("in_progress",), status="finalizing",
                 finalizing_at=int(time.time())) is not None:
-            self._finalize(batch_id, "completed")
+            finalize(self.store, batch_id, "completed")
         elif self.store.get_batch(None, batch_id)["status"] == "cancelling":
             self._finish_cancel(batch_id)
-        elif (message := _own_error(folder)) is not None:  # it ran and refused: not again
+        elif (message := own_error(folder)) is not None:  # it ran and refused: not again
             self._give_up(batch_id, [], message)
         else:
-            cause = _death(child.returncode)
-            with open(folder / DEATHS, "a", encoding="utf-8") as record:
-                record.write(json.dumps({"at": int(time.time()), "cause": cause}) + "\n")
-                record.flush()
-                os.fsync(record.fileno())
-            deaths = _deaths(folder)
+            cause = death_cause(child.returncode)
+            record_death(folder, cause)
+            deaths = read_deaths(folder)
             if len(deaths) < ATTEMPTS:  # still in_progress: the queue starts it again
                 log.warning("batch %s: its job %s (run %d of %d); starting it again from its "
                             "committed parts", batch_id, cause, len(deaths), ATTEMPTS)
@@ -309,8 +299,8 @@ class Runner:
             message = (f"the batch's job died {len(deaths)} times (last: "
                        f"{deaths[-1]['cause']}); the results done so far are delivered")
         self._deliver(batch_id, "errored")
-        self._finalize(batch_id, "failed", only_if=("in_progress",),
-                       errors=_one_error("batch_failed", message))
+        finalize(self.store, batch_id, "failed", only_if=("in_progress",),
+                 errors=one_error("batch_failed", message))
         log.info("batch %s: failed: %s", batch_id, message)
 
     def _launch(self, batch_id: str, folder: Path, batch: dict) -> subprocess.Popen:
@@ -318,7 +308,7 @@ class Runner:
         warm = self.resident is not None and batch["endpoint"] != EMBEDDINGS
         config, env = self.resident if warm else (self.config, {})
         # a message batch (serve/anthropic.py): one results file, Anthropic's results
-        errors = _errors_file(batch, folder)
+        errors = errors_file(batch, folder)
         # `overnight batch`'s arguments: pipelines.batchfile.batch.run_batch's
         arguments = {"requests": str(folder / INPUT), "results": str(folder / RESULTS),
                      "errors": None if errors is None else str(errors),
@@ -327,16 +317,12 @@ class Runner:
                      "quiet": True, "config": None if config is None else str(config),
                      "overrides": list(self.overrides)}
         with open(folder / "log.txt", "ab") as log_file:
-            log_file.write(_RUN_MARK.encode())  # where this run's own error would start
+            log_file.write(RUN_MARK.encode())  # where this run's own error would start
             log_file.flush()
             if warm:  # in a batch worker, started once (serve/worker.py)
                 child = self._worker(env).run(arguments, folder / "log.txt")
             else:
-                child = subprocess.Popen(
-                    [sys.executable, "-m", "pipelines.cli", *_argv(arguments)], stdout=log_file,
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=die_with_parent,
-                    env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"})
+                child = spawn(arguments, log_file, env)
         self.store.set_child(batch_id, child.pid)
         log.info("batch %s: started (pid %d%s)", batch_id, child.pid,
                  ", on the resident engine" if warm else "")
@@ -351,101 +337,18 @@ class Runner:
         return Worker({**env, "RAY_USAGE_STATS_ENABLED": "0"},
                       self.store.root / "workers.log")
 
-    # -- counts, cancel, finalize ------------------------------------------------------------
-
-    def _update_counts(self, batch_id: str) -> None:
-        work = self.store.batch_dir(batch_id) / f"{RESULTS}.overnight"
-        parts_dir = work / "output.partial"
-        if not parts_dir.is_dir():
-            parts_dir = work / "output"
-        done = failed = 0
-        for found in list_parts(Location.of(parts_dir))[0] if parts_dir.is_dir() else []:
-            part = parts_dir / found.name  # superseded parts (mid-compaction) not counted
-            key = str(part)
-            if key not in self._counted:
-                try:
-                    table = pq.read_table(part, columns=["custom_id", "error"])
-                except FileNotFoundError:  # the job committed (moved its parts) meanwhile
-                    return
-                ids = table.column("custom_id").to_pylist()
-                bad = {i for i, e in zip(ids, table.column("error").to_pylist()) if e}
-                self._counted[key] = (len(set(ids)), len(bad))
-            done += self._counted[key][0]
-            failed += self._counted[key][1]
-        prepared = work / "prepared.json"
-        rejected = json.loads(prepared.read_text())["rejected"] if prepared.exists() else 0
-        counts = {"total": self.store.get_batch(None, batch_id)["request_counts"]["total"],
-                  "completed": done - failed, "failed": failed + rejected}
-        self.store.update_batch(batch_id, only_if=("in_progress",), request_counts=counts)
+    # -- cancel, deliver ---------------------------------------------------------------------
 
     def _finish_cancel(self, batch_id: str) -> None:
         """A stopped (or never started) batch: the results of the parts done so far."""
-        _stop_stale_child(self.store, batch_id)
+        stop_stale_child(self.store, batch_id)
         self._deliver(batch_id, "canceled")
-        self._finalize(batch_id, "cancelled", only_if=("cancelling",))
+        finalize(self.store, batch_id, "cancelled", only_if=("cancelling",))
 
     def _deliver(self, batch_id: str, unfinished: str) -> None:
-        """The result and error files of the parts committed so far, unless the pair is
-        already written (one commit: pipelines.batchfile.batch.finish_write). Every request is in
-        them: those not reached are ``unfinished`` (canceled, expired, errored), as
-        Anthropic reports them in a message batch's one file, and as the hosted Batch API
-        lists them in the error file (``batch_cancelled``, ``batch_expired``, and
-        ``batch_failed`` where the job could not go on)."""
-        from pipelines.batchfile.batch import finish_write, write_results, write_unstarted
-
-        folder = self.store.batch_dir(batch_id)
-        errors = _errors_file(self.store.get_batch(None, batch_id), folder)
-        anthropic = errors is None
-        work = folder / f"{RESULTS}.overnight"
-        parts = work / "output.partial"
-        if not parts.is_dir():
-            parts = work / "output"
-        if finish_write(folder / RESULTS, errors) is not None:
-            return
-        if (work / "rejected.jsonl").exists() and (work / "requests.parquet").exists():
-            write_results(parts, work / "rejected.jsonl", folder / RESULTS, errors,
-                          self.served_model, tokenizer=self.model,
-                          fmt="anthropic" if anthropic else "openai", unfinished=unfinished)
-        elif (folder / INPUT).exists():  # never started: every request is unfinished
-            write_unstarted(folder / INPUT, folder / RESULTS, errors, unfinished)
-
-    def _finalize(self, batch_id: str, status: str, *,
-                  only_if: tuple[str, ...] = ("finalizing",), **extra) -> None:
-        """Register the result and error files (idempotent: their ids derive from the batch's)
-        and move the batch from one of ``only_if`` to ``status`` with the final counts."""
-        batch = self.store.get_batch(None, batch_id)
-        owner = self.store.batch_owner(batch_id)
-        folder = self.store.batch_dir(batch_id)
-        changes: dict = {"status": status, f"{status}_at": int(time.time())}
-        counts = dict(batch.get("request_counts") or {"total": 0})
-        if batch.get("api") == "anthropic":  # its results are its own (serve/anthropic.py)
-            from pipelines.batchfile.anthropic import count_results
-
-            found = changes["result_counts"] = count_results(folder / RESULTS)
-            counts.update(completed=found.get("succeeded", 0),
-                          failed=sum(found.values()) - found.get("succeeded", 0))
-            changes["request_counts"] = counts
-            if self.store.update_batch(batch_id, only_if=only_if, **changes, **extra):
-                log.info("batch %s: %s (%s)", batch_id, status, found)
-            return
-        for name, key, label, count_key in ((RESULTS, "output_file_id", "output", "completed"),
-                                            (ERRORS, "error_file_id", "error", "failed")):
-            path = folder / name
-            lines = _count_lines(path) if path.exists() else 0
-            counts[count_key] = lines
-            if lines and not batch.get(key):
-                file_id = "file-" + hashlib.sha256(f"{batch_id}:{label}".encode()).hexdigest()[:24]
-                self.store.add_file(owner, path, f"{batch_id}_{label}.jsonl", "batch_output",
-                                    file_id=file_id, link=True)
-                changes[key] = file_id
-        # every request is in one of the files (its lines); a batch cancelled before it was
-        # validated has no total yet: its lines are its requests
-        counts["total"] = max(counts.get("total") or 0, counts["completed"] + counts["failed"])
-        changes["request_counts"] = counts
-        if self.store.update_batch(batch_id, only_if=only_if, **changes, **extra) is None:
-            return  # moved by someone else first (a cancel): that status stands
-        log.info("batch %s: %s (%d completed, %d failed)", batch_id, status,
-                 counts["completed"], counts["failed"])
+        """The batch's result and error files from its parts done so far (serve/results.py)."""
+        deliver(self.store, batch_id, unfinished, model=self.model,
+                served_model=self.served_model)
 
 
 START, WAIT, RELEASE, LOAD = "start", "wait", "release", "load"
@@ -471,84 +374,3 @@ def engine_turn(endpoint: str | None, *, shares_gpu: bool, running: list[str | N
     if EMBEDDINGS in running:
         return WAIT
     return START if loaded else LOAD
-
-
-def _stop_stale_child(store: Store, batch_id: str) -> None:
-    """What an earlier server process left of this batch's child, killed before the batch is
-    touched: the child itself where PDEATHSIG is unavailable, and always the Ray agents of its
-    process group, which outlive a killed driver (measured: ``ray::DashboardAgent`` and
-    ``ray::RuntimeEnvAgent`` still there minutes later)."""
-    pid = store.child_of(batch_id)
-    if pid is None:
-        return
-    marks = (str(store.batch_dir(batch_id)).encode(), b"ray::", b"/ray/")
-    if any(any(mark in command for mark in marks) for command in group(pid)):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 30
-        while group(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    store.set_child(batch_id, None)
-
-
-def _argv(arguments: dict) -> list[str]:
-    """The ``overnight batch`` command line of ``run_batch``'s ``arguments``."""
-    files = [] if arguments["errors"] is None else ["-e", arguments["errors"]]
-    argv = ["batch", arguments["requests"], "-o", arguments["results"], *files,
-            "--format", arguments["format"], "--model", arguments["model"],
-            "--served-model-name", arguments["served_model_name"], "--quiet"]
-    if arguments["config"] is not None:
-        argv += ["--config", arguments["config"]]
-    for override in arguments["overrides"]:
-        argv += ["--set", override]
-    return argv
-
-
-def _errors_file(batch: dict, folder: Path) -> Path | None:
-    """A batch's error file; None for a message batch, whose one file holds every result."""
-    return None if batch.get("api") == "anthropic" else folder / ERRORS
-
-
-def _count_lines(path: Path) -> int:
-    with open(path, "rb") as handle:
-        return sum(1 for line in handle if line.strip())
-
-
-def _own_error(folder: Path) -> str | None:
-    """The child's own one-line error (``overnight: error: ...``), from its last run's lines
-    of the log, if it stopped on one: a refusal a new run would repeat."""
-    try:
-        text = (folder / "log.txt").read_text(errors="replace")
-    except OSError:
-        return None
-    for line in reversed(text.rsplit(_RUN_MARK, 1)[-1].splitlines()):
-        if line.startswith("overnight: error: "):
-            return line[len("overnight: error: "):]
-    return None
-
-
-_RUN_MARK = "-- overnight serve: a run of this batch starts --\n"
-
-
-def _death(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"stopped with exit status {returncode} and no error of its own"
-
-
-def _deaths(folder: Path) -> list[dict]:
-    try:
-        text = (folder / DEATHS).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def _one_error(code: str, message: str) -> dict:
-    return {"object": "list", "data": [{"code": code, "message": message, "param": None,
-                                        "line": None}]}

@@ -131,40 +131,12 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
 
     from serve.app import create_app
     from serve.runner import Runner
-    from serve.store import Store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per look at the engine
-    # Prompts, results and the key HMACs are this user's alone: every file and folder the
-    # server and its batches' children make is theirs only, and what an earlier server made
-    # with a wider mode is closed (the data directory itself shuts the rest)
-    os.umask(0o077)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(settings.data_dir, 0o700)
-    store = Store(settings.data_dir)
-    for path in settings.data_dir.glob("state.sqlite3*"):
-        os.chmod(path, 0o600)
-    store.adopt_keys(keys)
-    config_path = None
-    if settings.config:
-        config_path = settings.data_dir / "batch-config.yaml"
-        config_path.write_text(yaml.safe_dump(settings.config), encoding="utf-8")
-    resident = None
-    engine_kind = (settings.config.get("engine") or {}).get("kind", "vllm")
-    if settings.engine == "resident" and engine_kind != "http":  # http: a server already
-        from serve.engine import KEY_ENV, ResidentEngine
-
-        print(f"overnight serve: loading {settings.model} into the resident engine "
-              f"(log: {settings.data_dir / 'engine.log'})", flush=True)
-        engine = ResidentEngine(settings.data_dir, settings.model, settings.served_model,
-                                settings.config)
-        engine.start()
-        engine.watch()
-        warm_path = settings.data_dir / "batch-config-resident.yaml"
-        warm_path.write_text(yaml.safe_dump(engine.job_config(settings.config,
-                                                              settings.max_running)),
-                             encoding="utf-8")
-        resident = (warm_path, {KEY_ENV: engine.key})
+    store = _open_store(settings, keys)
+    config_path = _write_config(settings)
+    engine, resident = _start_resident_engine(settings)
     runner = Runner(store, model=settings.model, config=config_path, overrides=[],
                     served_model=settings.served_model, max_running=settings.max_running,
                     resident=resident)
@@ -180,7 +152,7 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
           flush=True)
     def stop_processes() -> None:
         runner.stop_workers()
-        if resident is not None:
+        if engine is not None:
             engine.stop()
 
     # at shutdown: uvicorn re-raises a SIGTERM once it has stopped, so a `finally` here
@@ -190,3 +162,51 @@ def serve(settings: ServeSettings, keys: list[str]) -> None:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     finally:
         stop_processes()
+
+
+def _open_store(settings: ServeSettings, keys: list[str]):
+    """The server's state in ``data_dir``, readable by this user only, with ``keys`` known."""
+    from serve.store import Store
+
+    # Prompts, results and the key HMACs are this user's alone: every file and folder the
+    # server and its batches' children make is theirs only, and what an earlier server made
+    # with a wider mode is closed (the data directory itself shuts the rest)
+    os.umask(0o077)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.data_dir, 0o700)
+    store = Store(settings.data_dir)
+    for path in settings.data_dir.glob("state.sqlite3*"):
+        os.chmod(path, 0o600)
+    store.adopt_keys(keys)
+    return store
+
+
+def _write_config(settings: ServeSettings) -> Path | None:
+    """The batches' job config, as a YAML file their ``overnight batch`` reads; None: none."""
+    if not settings.config:
+        return None
+    config_path = settings.data_dir / "batch-config.yaml"
+    config_path.write_text(yaml.safe_dump(settings.config), encoding="utf-8")
+    return config_path
+
+
+def _start_resident_engine(settings: ServeSettings):
+    """The resident engine loaded, and what the runner needs of it (a batch's job config on
+    it, the environment with its key); (None, None) with ``--engine per-batch`` or an HTTP
+    engine (a server already)."""
+    engine_kind = (settings.config.get("engine") or {}).get("kind", "vllm")
+    if settings.engine != "resident" or engine_kind == "http":
+        return None, None
+    from serve.engine import KEY_ENV, ResidentEngine
+
+    print(f"overnight serve: loading {settings.model} into the resident engine "
+          f"(log: {settings.data_dir / 'engine.log'})", flush=True)
+    engine = ResidentEngine(settings.data_dir, settings.model, settings.served_model,
+                            settings.config)
+    engine.start()
+    engine.watch()
+    warm_path = settings.data_dir / "batch-config-resident.yaml"
+    warm_path.write_text(yaml.safe_dump(engine.job_config(settings.config,
+                                                          settings.max_running)),
+                         encoding="utf-8")
+    return engine, (warm_path, {KEY_ENV: engine.key})

@@ -220,8 +220,8 @@ def test_the_checker_reads_every_file_and_its_function_level_imports():
     assert "pipelines.batchfile.batch" in found.edges["serve.worker"]  # a function-level import
     assert "serve.server" in found.edges["pipelines.cli"]
     # `from pipelines.report import view`: a module of the package, not the package's face
-    assert "pipelines.report.view" in found.edges["serve.app"]
-    assert "pipelines" not in found.edges["serve.app"]
+    assert "pipelines.report.view" in found.edges["serve.routes_view"]
+    assert "pipelines" not in found.edges["serve.routes_view"]
 
 
 # -- the checker, on a package made to fail ----------------------------------------------------

@@ -814,7 +814,7 @@ def test_sigterm_of_the_server_leaves_nothing_of_a_batchs_own_child(server, tmp_
     session goes with the server, its Ray agents too (a child killed by PDEATHSIG alone
     left ray::DashboardAgent and ray::RuntimeEnvAgent running), and the stop is not counted
     as a death of the batch. Last in the module: it stops the module's server."""
-    from serve.runner import DEATHS
+    from serve.child import DEATHS
 
     client = server.client()
     lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",

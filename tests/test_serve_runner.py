@@ -20,7 +20,8 @@ import pytest
 
 from pipelines.batchfile.batch import prepare
 from pipelines.write.parts import part_name
-from serve.runner import (ATTEMPTS, DEATHS, INPUT, LOAD, RELEASE, RESULTS, START, WAIT,
+from serve.child import DEATHS
+from serve.runner import (ATTEMPTS, INPUT, LOAD, RELEASE, RESULTS, START, WAIT,
                           Runner, engine_turn)
 from serve.store import Store
 

@@ -325,7 +325,7 @@ def test_the_views_kept_are_few_and_none_of_a_batch_whose_data_is_gone(tmp_path)
     """One JobView (and its tokenizer) was kept for every batch ever viewed."""
     import shutil
 
-    from serve.app import VIEWS_KEPT, ViewCache
+    from serve.routes_view import VIEWS_KEPT, ViewCache
     from serve.store import Store
 
     store = Store(tmp_path / "data")

@@ -37,7 +37,7 @@ def test_a_refused_filter_is_one_line_in_each_servers_shape():
     from pipelines.errors import ConfigError
     from pipelines.report.filters import FilterError
     from pipelines.report.view import refused
-    from serve.app import _invalid_value
+    from serve.routes_view import _invalid_value
 
     assert json.loads(refused(FilterError("where 'x': no column")).body) == {
         "error": "where 'x': no column"}
