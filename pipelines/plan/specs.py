@@ -1,6 +1,6 @@
 """The specs a job's stages are built from, made from a checked config: the ``JobPlan`` that
-holds them, and its prompt (``RenderSpec``), engine (``EngineSpec``), sampling and structured-output specs.
-"""
+holds them, and its prompt (``RenderSpec``), engine (``EngineSpec``), sampling and
+structured-output specs."""
 
 from __future__ import annotations
 
