@@ -52,7 +52,8 @@ def resident_settings(model: str, config: dict) -> tuple[list[str], dict[str, st
 
     from pipelines.config.engine import VLLMEngineConfig
     from pipelines.config.sections import ModelConfig
-    from pipelines.plan.preflight import resolve_max_model_len, vllm_engine_options
+    from pipelines.plan.model import resolve_max_model_len
+    from pipelines.plan.specs import vllm_engine_options
     from udfs.engines.vllm_engine import llm_kwargs, on_cpu
 
     try:

@@ -1,5 +1,5 @@
 """Every Arrow type where input values meet polars (udfs/rows/to_polars.py): the id column's check
-(pipelines/read/scan.py: IdDigest, pipelines/plan/preflight.py: _repeated_ids) and the conversion
+(pipelines/read/scan.py: IdDigest, pipelines/plan/input_checks.py: _repeated_ids) and the conversion
 a filter and a row hash read. A decimal256 column (a BigQuery BIGNUMERIC export) made polars
 panic: every run of a template reading it stopped, and as an id column `validate` printed a
 traceback; a float id column with two NaNs passed as unique.
@@ -204,7 +204,7 @@ def test_the_id_check_takes_every_type_and_finds_every_repeat_null_and_nan(array
     writer's count of a part's rows by their ids right (a map's once raised); never a
     traceback. (-0.0 and 0.0 are left out: whether they are one id is a choice, not a
     finding; so are maps, whose entries' order polars' hash reads.)"""
-    from pipelines.plan.preflight import _repeated_ids
+    from pipelines.plan.input_checks import _repeated_ids
     from pipelines.read import scan_input
     from pipelines.write.parts import count_runs
 

@@ -133,7 +133,7 @@ def test_run_checks_a_local_model_without_importing_torch(job_file):
 
 
 def test_a_local_models_length_is_what_transformers_reads(tiny_model):
-    from pipelines.plan.preflight import _local_model, resolve_max_model_len
+    from pipelines.plan.model import _local_model, resolve_max_model_len
 
     models = [tiny_model] + [str(m) for m in [REPO / "models" / "smollm2"]
                              if (m / "config.json").is_file()]

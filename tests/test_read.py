@@ -270,7 +270,7 @@ def test_jsonl_lines_the_fast_decoder_refuses_read_as_json_loads_reads_them(tmp_
 def test_repeated_ids_are_found_in_one_pass_and_named(tmp_path: Path, decoded):
     """The scan keeps 8-byte hashes; where ids repeat, the values behind them are read in one
     more pass, each row decoded once (a block at a time decoded a one-group file per block)."""
-    from pipelines.plan.preflight import _repeated_ids
+    from pipelines.plan.input_checks import _repeated_ids
 
     ids = [f"id{i}" for i in range(1000)]
     ids[900], ids[950], ids[999] = "id3", "id3", "id7"

@@ -433,7 +433,7 @@ def test_what_changed_names_the_files_and_the_step():
 def test_an_http_engines_model_is_fingerprinted_by_its_name(tiny_copy, tmp_path):
     """Its server holds the model; a local copy or cache of that name says nothing of it."""
     from pipelines import load_config
-    from pipelines.plan.preflight import _model_fingerprint
+    from pipelines.plan.fingerprint import _model_fingerprint
 
     job = _job(tmp_path, tiny_copy)
     assert "files" in _model_fingerprint(load_config(job), 256)

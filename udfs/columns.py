@@ -104,7 +104,7 @@ def step_column(column: str, meta: str) -> str:
 
 # Parquet schema metadata, on every file a job writes: the job that wrote it (its output
 # column and the columns it added), so that a job reading that output names its columns apart
-# (pipelines/plan/preflight.py); and on a part of a job with steps, its per-step counts.
+# (pipelines/plan/input_checks.py); and on a part of a job with steps, its per-step counts.
 JOB_METADATA = b"overnight.job"
 STEPS_METADATA = b"overnight.steps"
 

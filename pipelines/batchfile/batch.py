@@ -909,7 +909,7 @@ def run_batch_file(requests: str | Path, results: str | Path, *, model: str,
     import yaml
 
     from pipelines.job.pipeline import run_job
-    from pipelines.plan.preflight import resolve_max_model_len
+    from pipelines.plan.model import resolve_max_model_len
     from pipelines.write import OutputStore
 
     requests, results = Path(requests), Path(results)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 
 from pipelines.config import JobConfig
 from pipelines.errors import JobError, OutputError, StageError, one_line, root_cause
-from pipelines.plan.preflight import JobPlan, plan_job
+from pipelines.plan.preflight import plan_job
+from pipelines.plan.specs import JobPlan
 from pipelines.job.progress import Progress
 from pipelines.read import blocks_at_once, read_dataset
 from pipelines.report.run_report import RunTimes, build_report, write_report
@@ -409,7 +410,7 @@ def requests_per_row(config: JobConfig) -> int:
 def job_metadata(plan: JobPlan) -> dict:
     """What every file of the output says of the job that wrote it: the columns it added, and
     the prefix a later job reading this output names them by, where it would add the same
-    (pipelines/plan/preflight.py: ``output.column`` + ``_finish_reason``...); the settings in its
+    (pipelines/plan/input_checks.py: ``output.column`` + ``_finish_reason``...); the settings in its
     request keys, for a re-run to say which changed (pipelines/reuse/carry.py)."""
     config = plan.config
     prefix = "job" if config.steps is not None else config.output.column

@@ -16,12 +16,31 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, InputError
+from pipelines.read import InputPlan, read_block
 from udfs.rows.images import ImageSpec
 
 # What a prompt.images column may be: bytes, text (a path or a data: URL), a {bytes, path}
 # struct, a list of any of these, or all null
 _KINDS = "bytes, a path or data: URL (text), a {bytes, path} struct, or a list of these"
+
+
+def check_images(config: JobConfig, plan: InputPlan) -> int:
+    """A job with images (any prompt's prompt.images): its columns hold images, the model
+    takes them; -> the most images a prompt may hold (0: a job without images)."""
+    prompts = [p for p in config.prompts() if p.images]
+    if not prompts:
+        return 0
+    if config.engine.kind == "http" and config.engine.endpoint != "chat":
+        raise ConfigError("prompt.images with engine.kind http needs engine.endpoint: chat "
+                          "(the images go to the server as data: URLs in the chat messages)")
+    for prompt in prompts:
+        check_image_columns(prompt, plan.schema)
+    if config.engine.kind == "vllm":  # a server's model is the server's to say
+        check_model_takes_images(config.model.name, config.model.trust_remote_code)
+    sample = read_block(plan.blocks[0], plan.schema) if plan.blocks else None
+    return max(max_images(p, sample) for p in prompts)
 
 
 def image_spec(prompt, input_path: str) -> ImageSpec | None:

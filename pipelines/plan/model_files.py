@@ -2,8 +2,8 @@
 
 A model retrained, or its chat template edited, at the same path is another job: its rows ask
 the engine for other generations, so a resume must not mix them and a re-run must not carry
-them over (pipelines/plan/preflight.py: ``_fingerprint``; pipelines/reuse/request_key.py keys rows by
-it). A directory is named by its files: the content of each small one (config.json,
+them over (pipelines/plan/fingerprint.py: ``fingerprint``; pipelines/reuse/request_key.py
+keys rows by it). A directory is named by its files: the content of each small one (config.json,
 generation_config.json, tokenizer*, chat_template*, *.jinja: what renders and decodes), and the
 name, size and modification time of each weight file, whose gigabytes would take minutes a
 night to hash (a copy that does not keep the times, ``cp`` without ``-p``, is a change then).

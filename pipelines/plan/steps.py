@@ -24,6 +24,7 @@ from pipelines.errors import ConfigError, InputError, one_line
 from pipelines.plan.images import image_spec
 from udfs import columns
 from udfs.rows import to_polars
+from udfs.rows.parsers import StructuredSpec
 from udfs.stages.predictor import SamplingSpec
 from udfs.stages.prompts import RenderSpec, TemplateError, compile_template
 from udfs.stages.steps import KEY, PARSED, StepSpec, step_types
@@ -54,42 +55,53 @@ def plan_steps(config: JobConfig, schema: pa.Schema, max_model_len: int,
                               f"no room for a prompt in max_model_len {max_model_len}; lower "
                               f"it (e.g. --set steps.{i}.sampling.max_tokens="
                               f"{max(1, max_model_len // 2)}) or raise model.max_model_len")
-        structured = None
-        if step.structured is not None:
-            structured = structured_spec(step.structured, PARSED, f"{where}: structured",
-                                         arrays=True)
-            if step.explode and step.structured.json_schema is not None and \
-                    structured.json_schema.get("type") != "array":
-                raise ConfigError(f"{where}: explode needs structured.json_schema of type "
-                                  f"array (got {structured.json_schema.get('type')!r})")
-        p, s = step.prompt, step.sampling
-        render = RenderSpec(
-            template=p.template, tokenizer=config.model.name, max_model_len=max_model_len,
-            max_tokens=s.max_tokens, system=p.system, chat=p.chat if p.chat is not None else True,
-            on_too_long=p.on_too_long, on_null=p.on_null,
-            trust_remote_code=config.model.trust_remote_code, messages_column=p.messages_column,
-            keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
-            chat_template_kwargs=p.chat_template_kwargs,
-            images=image_spec(p, config.input.path),
-            chat_template_content_format=p.chat_template_content_format)
-        sampling = SamplingSpec(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
-            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, stop_token_ids=tuple(s.stop_token_ids),
-            key_column=KEY, structured=structured.engine_params() if structured else None,
-            n=s.n, logit_bias=tuple(sorted((s.logit_bias or {}).items())),
-            # a thinking model's: the step's thinking in C_reasoning (udfs/stages/steps.py)
-            reasoning_column=(columns.step_column(step.output_column, columns.STEP_REASONING)
-                              if config.model.reasoning_parser else None),
-            budget_key=f"steps.{i}.sampling.max_tokens",
-            **adapter_sampling(config, p, step.adapter))
-        spec = StepSpec(name=step.name, column=step.output_column, where=step.where,
-                        render=render, sampling=sampling, structured=structured,
-                        explode=step.explode, fan_out=step.explode or s.n > 1)
+        structured = _step_structured(step, where, structured_spec)
+        spec = _step_spec(config, i, step, max_model_len, structured)
         specs.append(spec)
         fields.update(step_types(spec))
     return tuple(specs)
+
+
+def _step_structured(step: StepConfig, where: str, structured_spec) -> StructuredSpec | None:
+    """A step's structured output, checked; an exploded step's must be a JSON array."""
+    if step.structured is None:
+        return None
+    structured = structured_spec(step.structured, PARSED, f"{where}: structured", arrays=True)
+    if step.explode and step.structured.json_schema is not None and \
+            structured.json_schema.get("type") != "array":
+        raise ConfigError(f"{where}: explode needs structured.json_schema of type "
+                          f"array (got {structured.json_schema.get('type')!r})")
+    return structured
+
+
+def _step_spec(config: JobConfig, i: int, step: StepConfig, max_model_len: int,
+               structured: StructuredSpec | None) -> StepSpec:
+    """A generating step's spec: its own prompt, sampling and structured output."""
+    p, s = step.prompt, step.sampling
+    render = RenderSpec(
+        template=p.template, tokenizer=config.model.name, max_model_len=max_model_len,
+        max_tokens=s.max_tokens, system=p.system, chat=p.chat if p.chat is not None else True,
+        on_too_long=p.on_too_long, on_null=p.on_null,
+        trust_remote_code=config.model.trust_remote_code, messages_column=p.messages_column,
+        keep_messages=config.engine.kind == "http" and config.engine.endpoint == "chat",
+        chat_template_kwargs=p.chat_template_kwargs,
+        images=image_spec(p, config.input.path),
+        chat_template_content_format=p.chat_template_content_format)
+    sampling = SamplingSpec(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, stop_token_ids=tuple(s.stop_token_ids),
+        key_column=KEY, structured=structured.engine_params() if structured else None,
+        n=s.n, logit_bias=tuple(sorted((s.logit_bias or {}).items())),
+        # a thinking model's: the step's thinking in C_reasoning (udfs/stages/steps.py)
+        reasoning_column=(columns.step_column(step.output_column, columns.STEP_REASONING)
+                          if config.model.reasoning_parser else None),
+        budget_key=f"steps.{i}.sampling.max_tokens",
+        **adapter_sampling(config, p, step.adapter))
+    return StepSpec(name=step.name, column=step.output_column, where=step.where,
+                    render=render, sampling=sampling, structured=structured,
+                    explode=step.explode, fan_out=step.explode or s.n > 1)
 
 
 def _check_prompt(step: StepConfig, fields: dict, where: str, config: JobConfig) -> None:

@@ -14,7 +14,8 @@ import pyarrow.compute as pc
 
 from pipelines.config import JobConfig
 from pipelines.errors import one_line
-from pipelines.plan.preflight import JobPlan, plan_job
+from pipelines.plan.preflight import plan_job
+from pipelines.plan.specs import JobPlan
 from pipelines.read import read_block
 from pipelines.storage import redact
 from udfs import columns

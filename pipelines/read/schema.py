@@ -207,7 +207,7 @@ def _short(value) -> str:
 
 
 # field metadata: the column's name in the files, where the plan reads it under another
-# (pre-flight names an earlier overnight job's columns apart: pipelines/plan/preflight.py)
+# (pre-flight names an earlier overnight job's columns apart: pipelines/plan/input_checks.py)
 SOURCE_NAME = b"overnight.source_name"
 
 
