@@ -25,7 +25,7 @@ load an engine of their own, as ``overnight batch`` does.
 
 While it runs, ``request_counts`` is read from those committed parts (each part once), in the
 job's staging folder ``results.jsonl.overnight/output.partial/``. A cancelled batch gets the
-results of the parts done so far, written by ``pipelines.batchfile.batch.write_results`` as the CLI
+results of the parts done so far, written by ``pipelines.batchfile.results.write_results`` as the CLI
 writes them at the end of a run.
 """
 
@@ -238,7 +238,7 @@ class Runner:
         return True
 
     def _start(self, batch_id: str) -> None:
-        from pipelines.batchfile.batch import finish_write
+        from pipelines.batchfile.results import finish_write
 
         folder = self.store.batch_dir(batch_id)
         _stop_stale_child(self.store, batch_id)
@@ -319,7 +319,7 @@ class Runner:
         config, env = self.resident if warm else (self.config, {})
         # a message batch (serve/anthropic.py): one results file, Anthropic's results
         errors = _errors_file(batch, folder)
-        # `overnight batch`'s arguments: pipelines.batchfile.batch.run_batch's
+        # `overnight batch`'s arguments: pipelines.batchfile.run.run_batch's
         arguments = {"requests": str(folder / INPUT), "results": str(folder / RESULTS),
                      "errors": None if errors is None else str(errors),
                      "format": "anthropic" if errors is None else "openai",
@@ -386,12 +386,12 @@ class Runner:
 
     def _deliver(self, batch_id: str, unfinished: str) -> None:
         """The result and error files of the parts committed so far, unless the pair is
-        already written (one commit: pipelines.batchfile.batch.finish_write). Every request is in
+        already written (one commit: pipelines.batchfile.results.finish_write). Every request is in
         them: those not reached are ``unfinished`` (canceled, expired, errored), as
         Anthropic reports them in a message batch's one file, and as the hosted Batch API
         lists them in the error file (``batch_cancelled``, ``batch_expired``, and
         ``batch_failed`` where the job could not go on)."""
-        from pipelines.batchfile.batch import finish_write, write_results, write_unstarted
+        from pipelines.batchfile.results import finish_write, write_results, write_unstarted
 
         folder = self.store.batch_dir(batch_id)
         errors = _errors_file(self.store.get_batch(None, batch_id), folder)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.batchfile.batch import prepare
+from pipelines.batchfile.prepare import prepare
 from pipelines.write.parts import part_name
 from serve.runner import (ATTEMPTS, DEATHS, INPUT, LOAD, RELEASE, RESULTS, START, WAIT,
                           Runner, engine_turn)
