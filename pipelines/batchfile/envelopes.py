@@ -1,5 +1,6 @@
 """The result and error lines of an OpenAI Batch file, in the hosted Batch API's shapes:
-a request's ``{"id", "custom_id", "response", "error"}`` line, built from its rows."""
+a request's ``{"id", "custom_id", "response", "error"}`` line (``BatchOutput``, typed as
+vLLM's run_batch types it), built from its rows."""
 
 from __future__ import annotations
 
@@ -7,12 +8,42 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import Any, TypedDict
 
 from pipelines.batchfile import embeddings
 from pipelines.batchfile import responses
 from pipelines.batchfile.lines import CUSTOM_ID, KIND, LINE
 from udfs import columns
 from udfs.rows.logprobs import text_offsets
+
+
+# Typed dicts, not pydantic models: a line is a plain dict as it is built (keys in the order
+# given), with no validation or copy of its body per line (a file may hold millions).
+class BatchError(TypedDict):
+    """An error line's ``error``: why the request has no result, and its input line."""
+
+    code: str | None
+    message: str
+    line: int
+
+
+class BatchResponse(TypedDict):
+    """A result line's ``response``: the endpoint's answer (``body``) as the hosted API wraps it."""
+
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class BatchOutput(TypedDict):
+    """One line of a result file (``response``) or of an error file (``error``), as vLLM's
+    run_batch's BatchRequestOutput; ``custom_id`` None where the line had none to read."""
+
+    id: str
+    custom_id: str | None
+    response: BatchResponse | None
+    error: BatchError | None
+
 
 def _id(prefix: str, custom_id, line: int) -> str:
     key = f"{custom_id}:{line}".encode("utf-8", "surrogatepass")  # any custom_id a line holds
@@ -30,9 +61,18 @@ def jsonl(obj: dict) -> str:
     return text + "\n"
 
 
-def error_line(line: int, custom_id, code: str, message: str) -> dict:
-    return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message, "line": line}}
+def error_line(line: int, custom_id, code: str, message: str) -> BatchOutput:
+    """The error line of the request on input line ``line``."""
+    return BatchOutput(id=_id("batch_req", custom_id, line), custom_id=custom_id, response=None,
+                       error=BatchError(code=code, message=message, line=line))
+
+
+def _answer(custom_id: str, line: int, body: dict) -> BatchOutput:
+    """The result line of the request on input line ``line``: its endpoint's ``body``."""
+    return BatchOutput(id=_id("batch_req", custom_id, line), custom_id=custom_id,
+                       response=BatchResponse(status_code=200,
+                                              request_id=_id("req", custom_id, line), body=body),
+                       error=None)
 
 
 def served_name(model: str) -> str:
@@ -42,7 +82,7 @@ def served_name(model: str) -> str:
     return Path(model.rstrip("/")).name or model
 
 
-def result_line(samples: list[dict], model: str, created: int, token_bytes) -> dict:
+def result_line(samples: list[dict], model: str, created: int, token_bytes) -> BatchOutput:
     first = samples[0]
     custom_id, line = first[CUSTOM_ID], first[LINE]
     # (a thinking model's request without an answer is answered, content null, as vLLM's
@@ -55,14 +95,9 @@ def result_line(samples: list[dict], model: str, created: int, token_bytes) -> d
         body = {"id": _id("embd", custom_id, line), "created": created,
                 **embeddings.result_body(samples, model, sum(s[columns.PROMPT_TOKENS] or 0
                                                              for s in samples))}
-        return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id,
-                "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
-                             "body": body}, "error": None}
+        return _answer(custom_id, line, body)
     if first[KIND] == responses.KIND:  # n is always 1
-        return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id,
-                "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
-                             "body": responses.result_body(first, model, created)},
-                "error": None}
+        return _answer(custom_id, line, responses.result_body(first, model, created))
     chat = first[KIND] == "chat"
     # a thinking model (model.reasoning_parser): the thinking beside the answer, as vLLM's
     # server names it (message.reasoning), and its tokens in the usage
@@ -84,10 +119,7 @@ def result_line(samples: list[dict], model: str, created: int, token_bytes) -> d
     body = {"id": _id("chatcmpl" if chat else "cmpl", custom_id, line),
             "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices, "usage": usage}
-    return {"id": _id("batch_req", custom_id, line), "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": _id("req", custom_id, line),
-                         "body": body},
-            "error": None}
+    return _answer(custom_id, line, body)
 
 
 LOGPROBS = "logprobs"  # the job's logprobs column (output.logprobs_column's default)
@@ -134,7 +166,7 @@ UNFINISHED_CODES = {
 }
 
 
-def unfinished_error(custom_id, kind: str, line: int) -> dict:
+def unfinished_error(custom_id, kind: str, line: int) -> BatchOutput:
     """The error line of a request a stopped batch did not reach (``kind``: canceled,
     expired, errored), in the hosted API's shape, with its line as every error line has."""
     code, message = UNFINISHED_CODES[kind]
