@@ -2,10 +2,10 @@
 
 A line is one request of ``POST /v1/messages/batches``: ``custom_id`` and ``params``, the body
 of a Messages API call (``model``, ``max_tokens``, ``messages``, ``system``, ``temperature``,
-``top_p``, ``top_k``, ``stop_sequences``, ``metadata``). pipelines/batchfile/lines.py reads the file; here
-``params`` becomes a row of the prepared table (the same columns as an OpenAI chat request: its
-messages as JSON, its max_tokens, its sampling), and the job's rows become result lines as
-Anthropic writes them::
+``top_p``, ``top_k``, ``stop_sequences``, ``metadata``). pipelines/batchfile/lines.py reads
+the file; here ``params`` becomes a row of the prepared table (the same columns as an OpenAI
+chat request: its messages as JSON, its max_tokens, its sampling), and the job's rows become
+result lines as Anthropic writes them::
 
     {"custom_id": "a", "result": {"type": "succeeded", "message": {"id", "type": "message",
      "role": "assistant", "model", "content": [{"type": "text", "text"}], "stop_reason",

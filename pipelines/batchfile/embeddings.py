@@ -12,7 +12,8 @@ job's rows become result lines shaped as OpenAI's embeddings response. A line on
 inputs fails (too long for the model) is an error line as a whole.
 
 A file holds either embeddings or chat/completions requests, as a hosted batch has one
-endpoint: pipelines/batchfile/prepare.py refuses the lines of the other kind, each with its own error.
+endpoint: pipelines/batchfile/prepare.py refuses the lines of the other kind, each with its
+own error.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ CHUNK, CHUNK_BYTES = 10_000, 64 << 20
 
 @dataclass
 class Prepared:
+    """What ``prepare`` made of a request file: its two files and their counts."""
+
     table: Path  # the prepared requests (Parquet)
     errors: Path  # lines that cannot run (JSONL, in line order)
     requests: int

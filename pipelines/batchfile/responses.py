@@ -5,8 +5,8 @@ A body's ``input`` (a string, or a list of messages whose content is a string or
 ``input_text``/``input_image`` parts), ``instructions`` (the system message, first),
 ``max_output_tokens``, ``temperature``, ``top_p`` and ``text.format`` (``json_schema`` with
 its ``schema``, ``json_object``, ``text``) become a row of the prepared table, as a chat
-request's do (pipelines/batchfile/lines.py): the same prompt through the same template, so its greedy
-text equals the chat completion's. Its result body is a ``response`` object::
+request's do (pipelines/batchfile/lines.py): the same prompt through the same template, so its
+greedy text equals the chat completion's. Its result body is a ``response`` object::
 
     {"id": "resp_...", "object": "response", "status": "completed", "output": [{"type":
      "message", "role": "assistant", "status": "completed", "content": [{"type":

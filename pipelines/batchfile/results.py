@@ -21,6 +21,7 @@ from pipelines.write import list_parts, write_atomically
 from udfs import columns
 from udfs.rows.logprobs import token_bytes_of
 
+
 # The result and error files are one commit. Both are written to staged names beside their
 # targets; then a journal in the work directory names the pair (the commit point); then each is
 # renamed into place. A kill at any point leaves either no journal for this pair (the write is

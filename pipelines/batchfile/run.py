@@ -18,6 +18,7 @@ from pipelines.errors import ConfigError, InputError, OutputError
 from pipelines.storage import scrub_record
 from pipelines.write import write_atomically
 
+
 def run_batch(requests: str | Path, results: str | Path, *, model: str,
               errors: str | Path | None = None, config: str | Path | None = None,
               overrides: list[str] | tuple[str, ...] = (), overwrite: bool = False,
