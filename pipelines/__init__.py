@@ -4,7 +4,7 @@
 """
 
 from pipelines.api import run_dataframe
-from pipelines.batchfile.batch import run_batch_file
+from pipelines.batchfile.run import run_batch_file
 from pipelines.config import JobConfig, load_config
 from pipelines.errors import JobError
 from pipelines.job.pipeline import RunSummary, run_job

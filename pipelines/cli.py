@@ -175,7 +175,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_batch(args) -> int:
-    from pipelines.batchfile.batch import run_batch
+    from pipelines.batchfile.run import run_batch
 
     return run_batch(args.requests, args.output, errors=args.errors, model=args.model,
                      config=args.config, overrides=args.overrides, overwrite=args.overwrite,

@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from pipelines.batchfile.batch import jsonl
+from pipelines.batchfile.envelopes import jsonl
 from serve.store import INPUT, RESULTS, Store, new_id
 
 PREFIX = "/v1/messages/batches"

@@ -51,12 +51,12 @@ def update_counts(store: Store, batch_id: str,
 def deliver(store: Store, batch_id: str, unfinished: str, *, model: str,
             served_model: str) -> None:
     """The result and error files of the parts committed so far, unless the pair is
-    already written (one commit: pipelines.batchfile.batch.finish_write). Every request is in
+    already written (one commit: pipelines.batchfile.results.finish_write). Every request is in
     them: those not reached are ``unfinished`` (canceled, expired, errored), as
     Anthropic reports them in a message batch's one file, and as the hosted Batch API
     lists them in the error file (``batch_cancelled``, ``batch_expired``, and
     ``batch_failed`` where the job could not go on)."""
-    from pipelines.batchfile.batch import finish_write, write_results, write_unstarted
+    from pipelines.batchfile.results import finish_write, write_results, write_unstarted
 
     folder = store.batch_dir(batch_id)
     errors = errors_file(store.get_batch(None, batch_id), folder)

@@ -25,7 +25,7 @@ load an engine of their own, as ``overnight batch`` does.
 
 While it runs, ``request_counts`` is read from those committed parts (each part once), in the
 job's staging folder ``results.jsonl.overnight/output.partial/``. A cancelled batch gets the
-results of the parts done so far, written by ``pipelines.batchfile.batch.write_results`` as the CLI
+results of the parts done so far, written by ``pipelines.batchfile.results.write_results`` as the CLI
 writes them at the end of a run (both: serve/results.py; the child itself: serve/child.py).
 """
 
@@ -231,7 +231,7 @@ class Runner:
         return True
 
     def _start(self, batch_id: str) -> None:
-        from pipelines.batchfile.batch import finish_write
+        from pipelines.batchfile.results import finish_write
 
         folder = self.store.batch_dir(batch_id)
         stop_stale_child(self.store, batch_id)
@@ -309,7 +309,7 @@ class Runner:
         config, env = self.resident if warm else (self.config, {})
         # a message batch (serve/anthropic.py): one results file, Anthropic's results
         errors = errors_file(batch, folder)
-        # `overnight batch`'s arguments: pipelines.batchfile.batch.run_batch's
+        # `overnight batch`'s arguments: pipelines.batchfile.run.run_batch's
         arguments = {"requests": str(folder / INPUT), "results": str(folder / RESULTS),
                      "errors": None if errors is None else str(errors),
                      "format": "anthropic" if errors is None else "openai",

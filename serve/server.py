@@ -39,7 +39,7 @@ class ServeSettings:
 
     @property
     def served_model(self) -> str:
-        from pipelines.batchfile.batch import served_name
+        from pipelines.batchfile.envelopes import served_name
 
         return self.served_model_name or served_name(self.model)
 

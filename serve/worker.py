@@ -2,7 +2,7 @@
 its own Ray, for the batches of the resident engine (serve/engine.py).
 
 A batch's job is exactly what ``python -m pipelines.cli batch ...`` runs: the same function,
-``pipelines.batchfile.batch.run_batch``, with the same arguments, ended as the command line ends a run
+``pipelines.batchfile.run.run_batch``, with the same arguments, ended as the command line ends a run
 (``pipelines.errors.exit_status``: a user's mistake one line and status 2), its output to the
 batch's log; only what it costs to start is paid once: Python's imports and Ray's start, which
 were most of a small batch's time (measured: 16 CPU-seconds a 3-request batch as a process of
@@ -30,7 +30,7 @@ from serve.processes import die_with_parent
 
 
 def main() -> None:  # pragma: no cover - runs in the worker process
-    from pipelines.batchfile.batch import run_batch
+    from pipelines.batchfile.run import run_batch
     from pipelines.job.resources import ray_session
 
     answers = os.fdopen(os.dup(1), "w")  # the runner reads answers here
@@ -84,7 +84,7 @@ class Worker:
         return self.proc.poll() is None
 
     def run(self, arguments: dict, log_path) -> WorkerRun:
-        """A batch run: ``pipelines.batchfile.batch.run_batch(**arguments)``."""
+        """A batch run: ``pipelines.batchfile.run.run_batch(**arguments)``."""
         self.proc.stdin.write((json.dumps({"batch": arguments, "log": str(log_path)}) + "\n")
                               .encode())
         self.proc.stdin.flush()

@@ -15,7 +15,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pipelines.batchfile.batch import _openai_logprobs, run_batch_file
+from pipelines.batchfile.envelopes import _openai_logprobs
+from pipelines.batchfile.run import run_batch_file
 from udfs.rows.logprobs import token_bytes_of
 
 from conftest import KV_CACHE

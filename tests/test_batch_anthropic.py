@@ -10,7 +10,7 @@ import json
 import pytest
 from anthropic.types.messages import MessageBatchIndividualResponse
 
-from pipelines.batchfile.batch import run_batch_file
+from pipelines.batchfile.run import run_batch_file
 from pipelines.errors import ConfigError
 
 from conftest import KV_CACHE

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.batchfile import embeddings as batch_embeddings
-from pipelines.batchfile.batch import prepare, run_batch_file
+from pipelines.batchfile.prepare import prepare
+from pipelines.batchfile.run import run_batch_file
 
 from conftest import KV_CACHE
 

@@ -21,8 +21,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pipelines.batchfile.batch import (LINE, OVERRIDES, PROMPT, SCHEMA, _error_line, _Reject, jsonl,
-                             parse_request, prepare)
+from pipelines.batchfile.envelopes import error_line as _error_line
+from pipelines.batchfile.envelopes import jsonl
+from pipelines.batchfile.lines import LINE, OVERRIDES, PROMPT, SCHEMA, parse_request
+from pipelines.batchfile.lines import Reject as _Reject
+from pipelines.batchfile.prepare import prepare
 from serve.validate import check_input_file
 
 EXAMPLES = 500  # per parser: a few seconds each, deadline off
@@ -412,7 +415,7 @@ def test_serves_file_check_never_raises(tmp_path_factory, lines):
 def test_a_line_nested_too_deep_is_skipped_when_a_files_format_is_read(tmp_path):
     """``overnight batch`` reads a file's format from its first JSON object: a first line
     nested too deep for json.loads is not one (it raised RecursionError, a traceback)."""
-    from pipelines.batchfile.batch import file_format
+    from pipelines.batchfile.lines import file_format
 
     path = tmp_path / "in.jsonl"
     path.write_text("[" * 100_000 + "\n" + json.dumps({"custom_id": "a", "params": {}}) + "\n")

@@ -135,7 +135,7 @@ def test_every_yaml_a_user_writes_refuses_a_key_given_twice(tmp_path: Path):
     with pytest.raises(ConfigError, match=rf"^{path}:3: key 'name' is given twice"):
         load_settings(config=str(path), model=None, overrides=[], data_dir=str(tmp_path),
                       host="127.0.0.1", port=0, max_upload_mb=1)
-    from pipelines.batchfile.batch import run_batch_file
+    from pipelines.batchfile.run import run_batch_file
 
     requests = tmp_path / "requests.jsonl"
     requests.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '

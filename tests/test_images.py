@@ -450,7 +450,7 @@ def test_a_text_holding_the_image_token_is_its_rows_image_error(bad_job):
 
 def test_a_batch_file_with_image_url_parts_gives_the_table_jobs_texts(parity_job, vision_model,
                                                                       folder):
-    from pipelines.batchfile.batch import run_batch_file
+    from pipelines.batchfile.run import run_batch_file
 
     rows, out, _ = parity_job
     lines = [{"custom_id": r["sku"], "method": "POST", "url": "/v1/chat/completions",
@@ -488,7 +488,7 @@ def test_a_message_batches_file_with_image_blocks_gives_the_table_jobs_texts(
         parity_job, vision_model, folder):
     """Anthropic's base64 image blocks, in a user turn, go to the model as the table's
     images do: the same texts."""
-    from pipelines.batchfile.batch import run_batch_file
+    from pipelines.batchfile.run import run_batch_file
 
     def block(part: dict) -> dict:
         if part["type"] == "text":

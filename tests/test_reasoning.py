@@ -16,7 +16,7 @@ import polars as pl
 import pytest
 
 from pipelines import load_config, run_job
-from pipelines.batchfile.batch import run_batch_file
+from pipelines.batchfile.run import run_batch_file
 from pipelines.errors import ConfigError
 from pipelines.plan.preflight import plan_job
 from udfs.stages.prompts import PromptRenderer

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.batchfile.batch import prepare
+from pipelines.batchfile.prepare import prepare
 from pipelines.write.parts import part_name
 from serve.child import DEATHS
 from serve.runner import (ATTEMPTS, INPUT, LOAD, RELEASE, RESULTS, START, WAIT,

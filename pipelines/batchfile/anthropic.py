@@ -2,10 +2,10 @@
 
 A line is one request of ``POST /v1/messages/batches``: ``custom_id`` and ``params``, the body
 of a Messages API call (``model``, ``max_tokens``, ``messages``, ``system``, ``temperature``,
-``top_p``, ``top_k``, ``stop_sequences``, ``metadata``). pipelines/batchfile/batch.py reads the file; here
-``params`` becomes a row of the prepared table (the same columns as an OpenAI chat request: its
-messages as JSON, its max_tokens, its sampling), and the job's rows become result lines as
-Anthropic writes them::
+``top_p``, ``top_k``, ``stop_sequences``, ``metadata``). pipelines/batchfile/lines.py reads
+the file; here ``params`` becomes a row of the prepared table (the same columns as an OpenAI
+chat request: its messages as JSON, its max_tokens, its sampling), and the job's rows become
+result lines as Anthropic writes them::
 
     {"custom_id": "a", "result": {"type": "succeeded", "message": {"id", "type": "message",
      "role": "assistant", "model", "content": [{"type": "text", "text"}], "stop_reason",
@@ -139,7 +139,7 @@ def _text(content, where: str, reject, images: bool = False) -> str | list[dict]
     """A content (a string, or a list of text blocks) as the chat template takes it. With
     ``images`` (a user turn), ``image`` blocks too (``source`` base64 with its media_type, or
     a url): then the text and ``image_url`` parts in their order, as an OpenAI request's
-    content is read (pipelines/batchfile/batch.py)."""
+    content is read (pipelines/batchfile/lines.py)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:

@@ -6,13 +6,14 @@ float32 vector's little-endian bytes), ``dimensions`` (a Matryoshka model's shor
 on any other model that line's error, as vLLM refuses it) and ``user``. Input given as token
 ids is that line's error: the job renders and counts text.
 
-pipelines/batchfile/batch.py reads the file; here a line becomes a row of the prepared table (its
+pipelines/batchfile/lines.py reads the file; here a line becomes a row of the prepared table (its
 inputs as a JSON list), the table is exploded into one row per input for the job, and the
 job's rows become result lines shaped as OpenAI's embeddings response. A line one of whose
 inputs fails (too long for the model) is an error line as a whole.
 
 A file holds either embeddings or chat/completions requests, as a hosted batch has one
-endpoint: pipelines/batchfile/batch.py refuses the lines of the other kind, each with its own error.
+endpoint: pipelines/batchfile/prepare.py refuses the lines of the other kind, each with its
+own error.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def explode(prepared_table: Path, out: Path) -> Path:
     """One row per input: the prepared table's rows, each with its input's text and index,
     but without the line's inputs as JSON (the ``prompt`` column): each row carrying its
     line's every input made a line of 2,048 inputs 2,048 times its size, a table quadratic
-    in a line's inputs. Streamed, ``EXPLODE_ROWS`` lines at a time (pipelines/batchfile/batch.py
+    in a line's inputs. Streamed, ``EXPLODE_ROWS`` lines at a time (pipelines/batchfile/prepare.py
     writes the prepared table in row groups of bounded size), so memory stays flat.
 
     An exploded table of this prepared table is reused, not written again: it is the job's

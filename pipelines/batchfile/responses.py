@@ -5,8 +5,8 @@ A body's ``input`` (a string, or a list of messages whose content is a string or
 ``input_text``/``input_image`` parts), ``instructions`` (the system message, first),
 ``max_output_tokens``, ``temperature``, ``top_p`` and ``text.format`` (``json_schema`` with
 its ``schema``, ``json_object``, ``text``) become a row of the prepared table, as a chat
-request's do (pipelines/batchfile/batch.py): the same prompt through the same template, so its greedy
-text equals the chat completion's. Its result body is a ``response`` object::
+request's do (pipelines/batchfile/lines.py): the same prompt through the same template, so its
+greedy text equals the chat completion's. Its result body is a ``response`` object::
 
     {"id": "resp_...", "object": "response", "status": "completed", "output": [{"type":
      "message", "role": "assistant", "status": "completed", "content": [{"type":
@@ -55,7 +55,7 @@ def parse_body(body: dict, reject, default_max_tokens: int | None, max_model_len
                content, response_format) -> dict:
     """A ``/v1/responses`` body -> the prepared table's fields (kind, prompt, max_tokens,
     overrides, model); ``reject(code, message)`` builds the exception for one that cannot run.
-    ``content`` and ``response_format``: pipelines.batchfile.batch's readings of a chat request's
+    ``content`` and ``response_format``: pipelines.batchfile.lines's readings of a chat request's
     message content and response_format."""
     try:
         parsed = Body.model_validate({k: v for k, v in body.items()
@@ -124,7 +124,7 @@ def _message(index: int, item: dict, reject, content_of) -> dict:
         if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
-            # as a chat request's image_url part (pipelines/batchfile/batch.py checks the URL)
+            # as a chat request's image_url part (pipelines/batchfile/lines.py checks the URL)
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
             shown = kind if isinstance(kind, str) and kind else "a"
