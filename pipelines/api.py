@@ -4,6 +4,7 @@ DataFrame (polars, pandas or Arrow), through the same code as ``overnight run``.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -121,8 +122,10 @@ def run_dataframe(data, config: dict | str | Path,
 
 
 def _is_pandas(data) -> bool:
-    """A pandas DataFrame, told without importing pandas (an optional dependency)."""
-    return type(data).__module__.startswith("pandas.") and type(data).__name__ == "DataFrame"
+    """A pandas DataFrame, told without importing pandas (an optional dependency): a frame
+    of it means it is imported already."""
+    pandas = sys.modules.get("pandas")
+    return pandas is not None and isinstance(data, pandas.DataFrame)
 
 
 def _raw_config(config: dict | str | Path) -> dict:
