@@ -1,11 +1,12 @@
-"""The DataFrame API and the prompt policies, on the real engine."""
+"""The Python API (a job's stages on a user's dataset, a DataFrame in and out) and the prompt
+policies, on the real engine."""
 
 from __future__ import annotations
 
 import polars as pl
 import pytest
 
-from pipelines import load_config, run_dataframe
+from pipelines import ConfigError, JobError, add_stages, load_config, run_dataframe
 from pipelines.plan.preflight import plan_job
 from udfs import columns
 from udfs.columns import FinishReason
@@ -76,3 +77,51 @@ def test_dedupe_drops_identical_samples(tiny_model, ray_cluster):
     assert out["sample_index"].to_list() == [0] * PRODUCTS.height
     assert summary.deduped == 2 * PRODUCTS.height
     assert f"dedupe: {2 * PRODUCTS.height} duplicate samples dropped" in summary.lines()
+
+
+ITEMS = [{"n": i, "title": f"Item {i}", "description": f"Thing number {i}."} for i in range(12)]
+
+
+def stages_config(tiny_model: str, **sections) -> dict:
+    """A job without input or output.path: the dataset is the input, the caller writes it."""
+    sections["sampling"] = {"max_tokens": 8, **sections.get("sampling", {})}
+    config = job_config(tiny_model, "unused", "unused", **sections)
+    del config["input"], config["output"]["path"]
+    return config
+
+
+def test_add_stages_keeps_every_row_and_column(tiny_model, ray_cluster):
+    import ray
+
+    config = stages_config(tiny_model)
+    rows = add_stages(ray.data.from_items(ITEMS), config).take_all()
+    assert len(rows) == len(ITEMS)
+    by_n = sorted(rows, key=lambda r: r["n"])
+    assert [{k: r[k] for k in ITEMS[0]} for r in by_n] == ITEMS
+    added = [c for c in load_config({**config, "input": {"path": "unused"},
+                                     "output": {**config["output"], "path": "unused"}})
+             .generated_columns() if c not in (columns.ROW_ID, columns.REQUEST_KEY)]
+    assert [list(r) for r in rows] == [[*ITEMS[0], *added]] * len(rows)
+    assert all(r["rewritten"] and r["error"] is None for r in rows)
+
+
+def test_add_stages_refuses_a_bad_config_before_any_engine(tiny_model, ray_cluster):
+    import ray
+
+    ds = ray.data.from_items(ITEMS)
+    with pytest.raises(ConfigError) as bad_key:
+        add_stages(ds, stages_config(tiny_model, sampling={"max_tokenz": 8}))
+    with pytest.raises(JobError) as bad_column:
+        add_stages(ds, stages_config(tiny_model, prompt={"template": "{{ titel }}"}))
+    for raised in (bad_key, bad_column):
+        assert "\n" not in str(raised.value)
+    assert "max_tokenz" in str(bad_key.value) and "titel" in str(bad_column.value)
+
+
+def test_a_pandas_frame_in_a_pandas_frame_out(tiny_model, ray_cluster):
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame(ITEMS[:3])
+    out = run_dataframe(frame, stages_config(tiny_model))
+    assert isinstance(out, pd.DataFrame)
+    assert out[list(frame.columns)].equals(frame)
+    assert out["error"].isna().all()

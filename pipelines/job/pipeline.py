@@ -19,7 +19,8 @@ from pipelines.plan.specs import JobPlan
 from pipelines.job.progress import Progress
 from pipelines.read import blocks_at_once, read_dataset
 from pipelines.report.run_report import RunTimes, build_report, write_report
-from pipelines.job.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
+from pipelines.job.resources import (LIGHT_STAGE_CPUS, ReplicaPlan, check_paths_shared,
+                                     plan_replicas, ray_session)
 from pipelines.storage import scrub_record
 from pipelines.job.watchdog import watch
 from pipelines.write.compact import compact
@@ -138,38 +139,15 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                                       slots=replicas.replicas * at_once)
     if ds is None:
         return None
-    engine = plan.engine
-    if engine.kind != "http" and replicas.cpu_threads and not engine.options.get("cpu_threads"):
-        engine = replace(engine, options={**engine.options,
-                                                      "cpu_threads": replicas.cpu_threads})
-    # The predictor renders the prompts too (udfs/stages/predictor.py says why); a pooling task's
-    # pooler (udfs/stages/pooler.py) likewise
-    shared = {"engine": engine, "render": plan.render, "health": health,
-              "stall_timeout_s": plan.config.engine.stall_timeout_s}
-    if plan.steps is not None:  # every step on this engine (udfs/stages/steps.py)
-        stage = (StepsPredictor, {
-            "engine": engine, "steps": plan.steps, "health": health,
-            "stall_timeout_s": plan.config.engine.stall_timeout_s,
-            "key_column": plan.config.input.id_column or columns.ORDINAL,
-            "keep_dropped": plan.config.output.keep_dropped,
-            # a re-run that reuses an earlier output's first steps: their rows, staged
-            **({"states": str(layout.staging), "from_step": from_step,
-                "block_starts": layout.block_starts} if from_step is not None else {})})
-    elif plan.pooling is None:
-        stage = (Predictor, {**shared, "sampling": plan.sampling,
-                             "output_column": plan.config.output.column})
-    else:
-        stage = (Pooler, {**shared, "pooling": plan.pooling,
-                          "pair_template": plan.config.prompt.pair_template})
+    stage, after = job_stages(plan, replicas, health, staged_steps=(
+        # a re-run that reuses an earlier output's first steps: their rows, staged
+        {"states": str(layout.staging), "from_step": from_step,
+         "block_starts": layout.block_starts} if from_step is not None else None))
     # Parts are written as they come, where the rows are: in the last stage's actors, a pool
     # as large as the engines' (udfs/stages/chain.py says why). A re-run of rows with errors merges
     # each block whole: one writer, a stage of its own.
     retry = layout.merge_from is not None
     writer = (RetryWriter if retry else PartWriter, {"layout": layout})
-    after = []  # the stages after the engine's, in actors of their own
-    if plan.structured is not None:
-        after.append((OutputParser, {"spec": plan.structured,
-                                     "output_column": plan.config.output.column}))
     if retry:
         after.append(writer)
     engine_stages = [stage] if after else [stage, writer]
@@ -183,8 +161,7 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                         # by rows, not whole blocks (Ray Data insists on it for GPU stages)
                         batch_format="pyarrow", batch_size=ray_block_rows,
                         **replicas.remote_args(),
-                        compute=_pool(replicas.replicas,
-                                      concurrent_blocks=at_once))
+                        compute=actor_pool(replicas.replicas, concurrent_blocks=at_once))
     if after:
         if not retry:
             after.append(writer)
@@ -193,11 +170,44 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
         # (pipelines/job/resources.py plans the cluster for it)
         ds = ds.map_batches(chain_named_for(after), fn_constructor_kwargs={"stages": after},
                             batch_format="pyarrow", batch_size=None,
-                            num_cpus=round(2 * LIGHT_STAGE_CPUS / pool, 4), compute=_pool(pool))
+                            num_cpus=round(2 * LIGHT_STAGE_CPUS / pool, 4),
+                            compute=actor_pool(pool))
     return ds
 
 
-def _pool(size: int, concurrent_blocks: int = 1):
+def job_stages(plan: JobPlan, replicas: ReplicaPlan, health: str | None = None,
+               staged_steps: dict | None = None) -> tuple[tuple[type, dict], list]:
+    """The engine's stage and the stages after it (the structured output's parser), each
+    ``(class, kwargs)``: what a job runs between its read and its write, and what
+    ``pipelines.add_stages`` appends to a user's own dataset."""
+    engine = plan.engine
+    if engine.kind != "http" and replicas.cpu_threads and not engine.options.get("cpu_threads"):
+        engine = replace(engine, options={**engine.options,
+                                          "cpu_threads": replicas.cpu_threads})
+    # The predictor renders the prompts too (udfs/stages/predictor.py says why); a pooling
+    # task's pooler (udfs/stages/pooler.py) likewise
+    shared = {"engine": engine, "render": plan.render, "health": health,
+              "stall_timeout_s": plan.config.engine.stall_timeout_s}
+    if plan.steps is not None:  # every step on this engine (udfs/stages/steps.py)
+        stage = (StepsPredictor, {
+            "engine": engine, "steps": plan.steps, "health": health,
+            "stall_timeout_s": plan.config.engine.stall_timeout_s,
+            "key_column": plan.config.input.id_column or columns.ORDINAL,
+            "keep_dropped": plan.config.output.keep_dropped, **(staged_steps or {})})
+    elif plan.pooling is None:
+        stage = (Predictor, {**shared, "sampling": plan.sampling,
+                             "output_column": plan.config.output.column})
+    else:
+        stage = (Pooler, {**shared, "pooling": plan.pooling,
+                          "pair_template": plan.config.prompt.pair_template})
+    after = []  # the stages after the engine's, in actors of their own
+    if plan.structured is not None:
+        after.append((OutputParser, {"spec": plan.structured,
+                                     "output_column": plan.config.output.column}))
+    return stage, after
+
+
+def actor_pool(size: int, concurrent_blocks: int = 1):
     """A fixed pool of actors; with ``concurrent_blocks`` > 1 each actor runs that many
     calls at once, in threads (the predictor's engine is built for it)."""
     import ray.data
