@@ -38,10 +38,13 @@ demo: setup models/smollm2/config.json
 # process-wide parallel state under the session's shared engine: each file runs in a worker
 # process of its own, the two at once (--dist loadfile gives two files two workers).
 POOLING_TESTS := tests/test_http_pooling.py tests/test_pooling.py
+# --no-loadscope-reorder: the files go out longest first (tests/conftest.py: LONGEST_FILES),
+# not xdist's default, most tests first, which handed out a long file of few tests last.
 TEST_WORKERS ?= 2
 PARALLEL := OMP_WAIT_POLICY=PASSIVE
 test: setup models/smollm2/config.json browser
-	$(PARALLEL) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30 \
+	$(PARALLEL) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	  -m "not serial" --durations=30 \
 	  $(addprefix --ignore=,$(POOLING_TESTS))
 	$(BIN)/python -m pytest -q -m serial $(addprefix --ignore=,$(POOLING_TESTS))
 	$(PARALLEL) $(BIN)/python -m pytest -q -n 2 --dist loadfile $(POOLING_TESTS)
