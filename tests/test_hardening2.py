@@ -109,7 +109,7 @@ def test_a_null_inside_a_struct_or_list_follows_on_null_and_never_prints_none(jo
 
 
 def test_a_template_may_test_and_default_a_nested_null(tiny_model):
-    from udfs.stages.prompts import compile_template, render_template
+    from udfs.stages.templates import compile_template, render_template
 
     template, _ = compile_template(
         "{{ meta.color | default('n/a') }}|{{ 'none' if meta.color is none }}|"

@@ -34,8 +34,8 @@ from udfs.rows.logprobs import SERVER_TOP_K_MAX, confidence_top_k
 from udfs.rows.parsers import SchemaError, StructuredSpec
 from udfs.stages.predictor import SamplingSpec
 from udfs.stages.pooler import PoolingSpec
-from udfs.stages.prompts import (NullValue, PromptRenderer, RenderSpec, TemplateError,
-                          compile_template, load_tokenizer, render_template, rows_fail_alike)
+from udfs.stages.prompts import PromptRenderer, RenderSpec, load_tokenizer, rows_fail_alike
+from udfs.stages.templates import NullValue, TemplateError, compile_template, render_template
 
 
 @dataclass

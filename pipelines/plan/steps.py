@@ -25,7 +25,8 @@ from pipelines.plan.images import image_spec
 from udfs import columns
 from udfs.rows import to_polars
 from udfs.stages.predictor import SamplingSpec
-from udfs.stages.prompts import RenderSpec, TemplateError, compile_template
+from udfs.stages.prompts import RenderSpec
+from udfs.stages.templates import TemplateError, compile_template
 from udfs.stages.steps import KEY, PARSED, StepSpec, step_types
 
 
