@@ -74,7 +74,7 @@ def test_regex_and_choice_constrain_the_engine(vllm_engine):
 
 
 def test_an_engine_that_cannot_be_built_says_why_from_its_constructor(tiny_model):
-    # On CPU the engine is built in its stepper thread (udfs/engines/vllm_engine.py): the error must
+    # On CPU the engine is built in its stepper thread (udfs/engines/stepper.py): the error must
     # still reach the caller, not die with the thread and leave the caller waiting
     with pytest.raises(Exception, match="max_model_len"):
         build_engine(EngineSpec("vllm", tiny_model, {
@@ -106,7 +106,7 @@ def test_more_requests_than_the_engine_has_slots_all_complete_in_order(vllm_engi
 
 
 def test_waiting_requests_go_longest_first_and_none_waits_forever():
-    from udfs.engines.vllm_engine import Batch, _Waiting
+    from udfs.engines.stepper import Batch, _Waiting
 
     def batch(*lengths):
         return Batch([GenerationRequest([1], n) for n in lengths])
