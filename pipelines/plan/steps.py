@@ -153,7 +153,7 @@ def _try_where(expression: str, sample: pa.Table, where: str, id_column: str | N
     every rating is a word) is the job's mistake, not the rows': say so now, in one line,
     rather than start an engine and give each row of the table a filter_error. One row it
     holds or not for, or fewer than 3 tried, and the job goes on."""
-    from udfs.stages.steps import where_mask
+    from udfs.stages.where import where_mask
 
     rows = sample.slice(0, FILTER_TRIALS)
     _, failed = where_mask(rows, expression)
