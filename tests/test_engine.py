@@ -130,16 +130,16 @@ def test_the_c_heap_is_trimmed_at_most_once_a_trim_interval(monkeypatch):
     # activations: they faulted in again, and the prefill-heavy job ran ~0.1 slower (#24)
     import time
 
-    import udfs.stages.predictor as predictor
+    import udfs.stages.memory as memory
 
     trims = []
-    monkeypatch.setattr(predictor, "_malloc_trim", trims.append)
-    monkeypatch.setattr(predictor, "_trimmed_at", None)
+    monkeypatch.setattr(memory, "_malloc_trim", trims.append)
+    monkeypatch.setattr(memory, "_trimmed_at", None)
     for _ in range(5):  # blocks in quick succession: the first trims
-        predictor.release_free_memory()
+        memory.release_free_memory()
     assert trims == [0]
     # a trim interval later, the next block trims again, and the one after it does not
-    monkeypatch.setattr(predictor, "_trimmed_at", time.monotonic() - predictor.TRIM_EVERY_S - 1)
-    predictor.release_free_memory()
-    predictor.release_free_memory()
+    monkeypatch.setattr(memory, "_trimmed_at", time.monotonic() - memory.TRIM_EVERY_S - 1)
+    memory.release_free_memory()
+    memory.release_free_memory()
     assert trims == [0, 0]

@@ -49,7 +49,8 @@ from udfs import columns
 from udfs.columns import ErrorKind, FinishReason
 from udfs.engines.engine import EngineSpec
 from udfs.rows.parsers import OutputParser, StructuredSpec
-from udfs.stages.predictor import Predictor, SamplingSpec, release_free_memory
+from udfs.stages.memory import release_free_memory
+from udfs.stages.predictor import Predictor, SamplingSpec
 from udfs.stages.prompts import RenderSpec
 from udfs.stages.where import where_mask
 
