@@ -5,7 +5,7 @@
 
 On the prompts prefill.py rendered (its spec-K.json), each in a fresh process, the time of the
 generation alone:
-  engine     overnight's VLLMEngine (udfs/engines/vllm_engine.py: the stepper thread, requests added
+  engine     overnight's VLLMEngine (udfs/engines/stepper.py: the stepper thread, requests added
              as slots free) fed 256-request blocks from --threads threads, in a plain process;
   ray-actor  the same inside a Ray actor of 1 CPU, as the pipeline's engine runs (no Ray Data,
              no rendering, no reading or writing).

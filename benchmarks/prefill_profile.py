@@ -57,8 +57,8 @@ SCOPES = [
                             "attention"]),
         ("model: sampling", ["sample"]),
     ], []),
-    ("stepper", "udfs/engines/vllm_engine.py", [], [("queue, heap", ["heap", "waiting", "inbox"]),
-                                             ("live counts", ["_count_live", "num_output"])]),
+    ("stepper", "udfs/engines/stepper.py", [], [("queue, heap", ["heap", "waiting", "inbox"]),
+                                         ("live counts", ["_count_live", "num_output"])]),
     ("predictor", "udfs/stages/predictor.py", [("request building", ["_request ("])], [
         ("to_pylist", ["to_pylist"]), ("request building", ["_request("]),
         ("malloc_trim", ["release_free_memory", "malloc_trim"]),

@@ -178,7 +178,7 @@ def test_every_arrow_type_reaches_polars_with_rows_equal_exactly_where_they_were
 
 
 def test_a_decimal256_is_read_exactly_and_the_filter_compares_it_as_a_number():
-    from udfs.stages.steps import where_mask
+    from udfs.stages.where import where_mask
 
     narrow = pa.array([D("1.25"), D("100.50"), None], pa.decimal256(20, 2))
     wide = pa.array([D("1" * 40 + ".5"), None, D("-0.5")], pa.decimal256(76, 1))

@@ -74,7 +74,7 @@ def test_regex_and_choice_constrain_the_engine(vllm_engine):
 
 
 def test_an_engine_that_cannot_be_built_says_why_from_its_constructor(tiny_model):
-    # On CPU the engine is built in its stepper thread (udfs/engines/vllm_engine.py): the error must
+    # On CPU the engine is built in its stepper thread (udfs/engines/stepper.py): the error must
     # still reach the caller, not die with the thread and leave the caller waiting
     with pytest.raises(Exception, match="max_model_len"):
         build_engine(EngineSpec("vllm", tiny_model, {
@@ -106,7 +106,7 @@ def test_more_requests_than_the_engine_has_slots_all_complete_in_order(vllm_engi
 
 
 def test_waiting_requests_go_longest_first_and_none_waits_forever():
-    from udfs.engines.vllm_engine import Batch, _Waiting
+    from udfs.engines.stepper import Batch, _Waiting
 
     def batch(*lengths):
         return Batch([GenerationRequest([1], n) for n in lengths])
@@ -130,16 +130,16 @@ def test_the_c_heap_is_trimmed_at_most_once_a_trim_interval(monkeypatch):
     # activations: they faulted in again, and the prefill-heavy job ran ~0.1 slower (#24)
     import time
 
-    import udfs.stages.predictor as predictor
+    import udfs.stages.memory as memory
 
     trims = []
-    monkeypatch.setattr(predictor, "_malloc_trim", trims.append)
-    monkeypatch.setattr(predictor, "_trimmed_at", None)
+    monkeypatch.setattr(memory, "_malloc_trim", trims.append)
+    monkeypatch.setattr(memory, "_trimmed_at", None)
     for _ in range(5):  # blocks in quick succession: the first trims
-        predictor.release_free_memory()
+        memory.release_free_memory()
     assert trims == [0]
     # a trim interval later, the next block trims again, and the one after it does not
-    monkeypatch.setattr(predictor, "_trimmed_at", time.monotonic() - predictor.TRIM_EVERY_S - 1)
-    predictor.release_free_memory()
-    predictor.release_free_memory()
+    monkeypatch.setattr(memory, "_trimmed_at", time.monotonic() - memory.TRIM_EVERY_S - 1)
+    memory.release_free_memory()
+    memory.release_free_memory()
     assert trims == [0, 0]

@@ -109,7 +109,7 @@ def test_a_null_inside_a_struct_or_list_follows_on_null_and_never_prints_none(jo
 
 
 def test_a_template_may_test_and_default_a_nested_null(tiny_model):
-    from udfs.stages.prompts import compile_template, render_template
+    from udfs.stages.templates import compile_template, render_template
 
     template, _ = compile_template(
         "{{ meta.color | default('n/a') }}|{{ 'none' if meta.color is none }}|"
@@ -175,7 +175,7 @@ def test_a_filter_a_row_breaks_is_its_error_and_an_empty_array_is_dropped(
 def test_a_filter_sees_only_the_columns_it_names_and_a_row_it_cannot_read_fails_alone():
     import decimal
 
-    from udfs.stages.steps import where_mask
+    from udfs.stages.where import where_mask
 
     table = pa.table({"wide": pa.array([decimal.Decimal("1.5")] * 3, pa.decimal256(40, 2)),
                       "rating": ["4", "good", None], "n": [1, 2, 3]})

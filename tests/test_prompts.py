@@ -73,7 +73,7 @@ def test_columns_whose_names_are_not_jinja_names_are_reached_through_row(tiny_mo
 
 
 def test_row_is_only_ever_a_columns_name_away():
-    from udfs.stages.prompts import TemplateError, compile_template
+    from udfs.stages.templates import TemplateError, compile_template
 
     for source, needle in [("{{ row }}", "row is the whole row"),
                            ("{{ row | length }}", "row is the whole row"),

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipelines.reuse.request_key import KeySpec, canonical_column, request_keys
-from udfs.stages.prompts import PromptRenderer, compile_template, render_template
+from udfs.stages.prompts import PromptRenderer
+from udfs.stages.templates import compile_template, render_template
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_PARTS = {"prompt": {"template": "fixed"}, "request key": {"scheme": "test"}}

@@ -8,8 +8,8 @@ from pipelines.config import JobConfig
 from pipelines.errors import ConfigError, one_line
 from pipelines.read import InputPlan, read_block
 from udfs import columns
-from udfs.stages.prompts import (NullValue, PromptRenderer, RenderSpec, TemplateError,
-                                 compile_template, render_template, rows_fail_alike)
+from udfs.stages.prompts import PromptRenderer, RenderSpec, rows_fail_alike
+from udfs.stages.templates import NullValue, TemplateError, compile_template, render_template
 
 
 def compile_prompt(template: str, key: str = "prompt.template"):

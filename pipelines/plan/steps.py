@@ -26,7 +26,8 @@ from udfs import columns
 from udfs.rows import to_polars
 from udfs.rows.parsers import StructuredSpec
 from udfs.stages.predictor import SamplingSpec
-from udfs.stages.prompts import RenderSpec, TemplateError, compile_template
+from udfs.stages.prompts import RenderSpec
+from udfs.stages.templates import TemplateError, compile_template
 from udfs.stages.steps import KEY, PARSED, StepSpec, step_types
 
 
@@ -164,7 +165,7 @@ def _try_where(expression: str, sample: pa.Table, where: str, id_column: str | N
     every rating is a word) is the job's mistake, not the rows': say so now, in one line,
     rather than start an engine and give each row of the table a filter_error. One row it
     holds or not for, or fewer than 3 tried, and the job goes on."""
-    from udfs.stages.steps import where_mask
+    from udfs.stages.where import where_mask
 
     rows = sample.slice(0, FILTER_TRIALS)
     _, failed = where_mask(rows, expression)

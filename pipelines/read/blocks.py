@@ -20,7 +20,7 @@ from pipelines.read.scan import BOM, Block, InputPlan, blank, loads
 from pipelines.read.schema import JSON_TEXT, conform
 from pipelines.read.sizes import ray_block_rows, read_ahead_bytes, reads_at_once
 from udfs import columns
-from udfs.stages.predictor import release_memory
+from udfs.stages.memory import release_memory
 
 
 def read_block(block: Block, schema: pa.Schema) -> pa.Table:

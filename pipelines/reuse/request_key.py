@@ -102,7 +102,7 @@ def step_key_columns(config, source: set[str]) -> list[list[str]]:
     are keyed by that step's own key, which the later step's includes."""
     import polars as pl
 
-    from udfs.stages.prompts import compile_template
+    from udfs.stages.templates import compile_template
 
     out = []
     for step in config.steps:

@@ -28,7 +28,7 @@ from pipelines.write import (
     COUNTED, COUNTED_IF_PRESENT, Part, add_steps, count_part, list_parts, part_name, part_steps,
     read_part)
 from udfs import columns
-from udfs.stages.predictor import release_memory
+from udfs.stages.memory import release_memory
 
 ROW_GROUP_BYTES = 64 << 20  # Arrow bytes buffered per row group written (readers like ~64 MiB)
 STATS_EXAMPLES = 5  # ids kept per error kind, for the report

@@ -24,7 +24,7 @@ if FAULT:
     import signal
     import time
 
-    import udfs.engines.vllm_engine as engine_module
+    import udfs.engines.stepper as engine_module
 
     _add = engine_module.Stepper._add
     _seen = {"adds": 0}

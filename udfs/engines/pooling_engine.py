@@ -9,7 +9,7 @@ same: an embedding L2-normalized unless ``normalize`` is false, a classifier's s
 cross-encoder's sigmoid.
 
 The engine, its construction and its stepper thread are the generation engine's
-(udfs/engines/vllm_engine.py): one thread owns the engine, and blocks from several threads join the
+(udfs/engines/vllm_engine.py, udfs/engines/stepper.py): one thread owns the engine, and blocks from several threads join the
 running batch. Only what a request is and what comes back differ.
 """
 
@@ -21,7 +21,8 @@ from typing import Sequence
 
 from udfs.engines.engine import EngineSpec, PoolingRequest, PoolingResult
 from udfs.engines.engine import one_line as _one_line
-from udfs.engines.vllm_engine import Batch, Stepper, VLLMEngine
+from udfs.engines.stepper import Batch, Stepper
+from udfs.engines.vllm_engine import VLLMEngine
 
 # PoolingParams.task for each of overnight's tasks: a cross-encoder's score is a one-label
 # classification of the pair (vLLM's CrossEncoderIOProcessor)

@@ -29,8 +29,10 @@ import pyarrow as pa
 from udfs import columns
 from udfs.columns import ErrorKind, FinishReason
 from udfs.engines.engine import EngineSpec, PoolingRequest, build_engine
-from udfs.stages.predictor import release_free_memory, replica_label
-from udfs.stages.prompts import PromptRenderer, RenderSpec, compile_template, render_template
+from udfs.stages.memory import release_free_memory
+from udfs.stages.replica import replica_label
+from udfs.stages.prompts import PromptRenderer, RenderSpec
+from udfs.stages.templates import compile_template, render_template
 from udfs.engines.recovery import Recovery
 
 TASKS = ("embed", "score", "classify")

@@ -22,7 +22,9 @@ from udfs import columns
 from udfs.columns import ErrorKind
 from udfs.engines.engine import EngineSpec, GenerationRequest, build_engine
 from udfs.rows.logprobs import LOGPROBS_TYPE, label_confidence, truncate_top
+from udfs.stages.memory import release_free_memory
 from udfs.stages.prompts import PromptRenderer, RenderSpec
+from udfs.stages.replica import replica_label
 from udfs.engines.recovery import Recovery
 
 
@@ -157,6 +159,39 @@ def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
     return int.from_bytes(digest.digest(), "big") & 0x7FFFFFFF
 
 
+@dataclass
+class _Samples:
+    """A block's rows as the engine takes them (one per sample), each with its overrides and
+    adapter, and the rows not to generate: refused overrides, an adapter the job lacks."""
+
+    table: pa.Table
+    overrides: list[dict]
+    adapters: list[str | None]
+    refused: dict[int, str]
+    unknown: dict[int, str]
+    samples: list[int]  # each row's sample index
+    counts: list[int] | None = None  # each row's samples in all; None: rows not expanded
+
+
+@dataclass
+class _Outcomes:
+    """Each row's output columns, as ``Predictor`` fills them in from the engine's results."""
+
+    text: list
+    completion: list
+    finish: list
+    kinds: list
+    errors: list
+    reasoning: list
+    reasoning_tokens: list
+    prompt_tokens: list | None = None  # set where the engine counts an image's tokens
+
+
+def _column_or_nones(batch: pa.Table, name: str) -> list:
+    return batch.column(name).to_pylist() if name in batch.column_names \
+        else [None] * batch.num_rows
+
+
 class Predictor:
     """``map_batches`` callable class: builds the engine in ``__init__`` from a picklable spec.
     Without ``render``, its input is a ``PromptRenderer``'s output."""
@@ -287,97 +322,118 @@ class Predictor:
         if self.renderer is not None:
             with self.render_lock:
                 batch = self.renderer(batch)
+        rows = self._samples(batch)
+        images = _column_or_nones(rows.table, columns.PROMPT_IMAGES)
+        todo, results = self._generate(rows, images, block)
+        outcomes = self._outcomes(rows, todo, results, images)
+        return self._output(rows, todo, results, outcomes, images)
+
+    def _samples(self, batch: pa.Table) -> _Samples:
+        """The block's rows with their overrides and adapters; one row per sample where the
+        job may ask for several (the source columns repeated)."""
         overrides, refused = self._overrides(batch)
         adapters, unknown = self._adapters(batch)
         ns = [o.get("n", self.sampling.n) for o in overrides]
-        expand = any(n != 1 for n in ns) or self.sampling.overrides_column is not None
-        if expand:  # one row per sample: the source columns repeated
-            samples = [k for n in ns for k in range(n)]
-            take = [i for i, n in enumerate(ns) for _ in range(n)]
-            batch = batch.take(take)
-            overrides = [overrides[i] for i in take]
-            adapters = [adapters[i] for i in take]
-            refused = {new: refused[old] for new, old in enumerate(take) if old in refused}
-            unknown = {new: unknown[old] for new, old in enumerate(take) if old in unknown}
-        else:
-            samples = [0] * batch.num_rows
+        if not (any(n != 1 for n in ns) or self.sampling.overrides_column is not None):
+            return _Samples(batch, overrides, adapters, refused, unknown, [0] * batch.num_rows)
+        take = [i for i, n in enumerate(ns) for _ in range(n)]
+        return _Samples(
+            batch.take(take), [overrides[i] for i in take], [adapters[i] for i in take],
+            {new: refused[old] for new, old in enumerate(take) if old in refused},
+            {new: unknown[old] for new, old in enumerate(take) if old in unknown},
+            [k for n in ns for k in range(n)], [ns[i] for i in take])
+
+    def _generate(self, rows: _Samples, images: list, block) -> tuple[list[int], list]:
+        """The rows that go to the engine (``todo``: their places) and the engine's results."""
+        batch = rows.table
         token_ids = batch.column(columns.PROMPT_TOKEN_IDS).to_pylist()
-        for i in (*refused, *unknown):
+        for i in (*rows.refused, *rows.unknown):
             token_ids[i] = None  # not generated: the row's error says why
         keys = batch.column(self.sampling.key_column).to_pylist()
         caps = (batch.column(self.sampling.max_tokens_column).to_pylist()
                 if self.sampling.max_tokens_column else [None] * batch.num_rows)
-        messages, images = (batch.column(name).to_pylist() if name in batch.column_names
-                            else [None] * batch.num_rows
-                            for name in (columns.PROMPT_MESSAGES, columns.PROMPT_IMAGES))
+        messages = _column_or_nones(batch, columns.PROMPT_MESSAGES)
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
         results = self.recovery.generate(self.engine, block, [
-            self._request(token_ids[i], keys[i], samples[i], caps[i], messages[i], overrides[i],
-                          adapters[i], images[i])
+            self._request(token_ids[i], keys[i], rows.samples[i], caps[i], messages[i],
+                          rows.overrides[i], rows.adapters[i], images[i])
             for i in todo])
+        return todo, results
 
-        rows = batch.num_rows
-        text, completion = [None] * rows, [None] * rows
-        finish = batch.column(columns.FINISH_REASON).to_pylist()
-        kinds = batch.column(columns.ERROR_KIND).to_pylist()
-        errors = batch.column(columns.ERROR).to_pylist()
-        for i, message in refused.items():
+    def _outcomes(self, rows: _Samples, todo: list[int], results: list,
+                  images: list) -> _Outcomes:
+        """Each row's text and counts, or its error: a render error found first stands, then
+        refused overrides or an unknown adapter, then the engine's."""
+        batch, n = rows.table, rows.table.num_rows
+        out = _Outcomes(text=[None] * n, completion=[None] * n,
+                        finish=batch.column(columns.FINISH_REASON).to_pylist(),
+                        kinds=batch.column(columns.ERROR_KIND).to_pylist(),
+                        errors=batch.column(columns.ERROR).to_pylist(),
+                        reasoning=[None] * n, reasoning_tokens=[None] * n)
+        kinds, errors = out.kinds, out.errors
+        for i, message in rows.refused.items():
             if kinds[i] is None:  # a render error found first stands
                 kinds[i], errors[i] = ErrorKind.OVERRIDES, f"{self.sampling.overrides_column}: " \
                     f"{message}"
-        for i, message in unknown.items():
+        for i, message in rows.unknown.items():
             if kinds[i] is None:
                 kinds[i], errors[i] = ErrorKind.ADAPTER, message
         thinking = self.sampling.reasoning_column is not None
-        reasoning, reasoning_tokens = [None] * rows, [None] * rows
-        prompt_tokens = None
         if columns.PROMPT_IMAGES in batch.column_names:  # the engine counts an image's tokens
-            prompt_tokens = batch.column(columns.PROMPT_TOKENS).to_pylist()
+            out.prompt_tokens = batch.column(columns.PROMPT_TOKENS).to_pylist()
         for i, result in zip(todo, results):
-            if prompt_tokens is not None and images[i] and result.prompt_tokens is not None:
-                prompt_tokens[i] = result.prompt_tokens
+            if out.prompt_tokens is not None and images[i] and result.prompt_tokens is not None:
+                out.prompt_tokens[i] = result.prompt_tokens
             if result.error is not None:
                 kinds[i], errors[i] = result.error_kind or ErrorKind.ENGINE, result.error
                 continue
-            text[i], finish[i], completion[i] = (result.text, result.finish_reason,
-                                                 result.completion_tokens)
+            out.text[i], out.finish[i], out.completion[i] = (result.text, result.finish_reason,
+                                                             result.completion_tokens)
             if thinking:
-                reasoning[i], reasoning_tokens[i] = result.reasoning, result.reasoning_tokens
+                out.reasoning[i], out.reasoning_tokens[i] = (result.reasoning,
+                                                             result.reasoning_tokens)
                 if result.text is None:  # it thought and did not answer: retried with room
                     kinds[i] = ErrorKind.NO_ANSWER
                     errors[i] = no_answer(result, self.sampling.budget_key)
-        if prompt_tokens is not None:
+        return out
+
+    def _output(self, rows: _Samples, todo: list[int], results: list, out: _Outcomes,
+                images: list) -> pa.Table:
+        """The block as it goes on: the prompt's working columns dropped, the outcomes'
+        columns added."""
+        batch, n = rows.table, rows.table.num_rows
+        if out.prompt_tokens is not None:
             if self.sampling.count_images:
-                batch = self._image_counts(batch, images, prompt_tokens)
+                batch = self._image_counts(batch, images, out.prompt_tokens)
             batch = batch.set_column(batch.schema.get_field_index(columns.PROMPT_TOKENS),
-                                     columns.PROMPT_TOKENS, pa.array(prompt_tokens, pa.int64()))
+                                     columns.PROMPT_TOKENS,
+                                     pa.array(out.prompt_tokens, pa.int64()))
         batch = batch.drop_columns([c for c in (columns.PROMPT_TOKEN_IDS, columns.PROMPT_MESSAGES,
                                                 columns.PROMPT_IMAGES, columns.FINISH_REASON,
                                                 columns.ERROR_KIND, columns.ERROR)
                                     if c in batch.column_names])
-        if expand:
+        if rows.counts is not None:
             batch = (batch
-                     .append_column(columns.SAMPLE_INDEX, pa.array(samples, pa.int32()))
-                     .append_column(columns.SAMPLES, pa.array([ns[i] for i in take],
-                                                              pa.int32())))
-        rows_of = lambda value, type_: pa.array([value] * rows, type_)  # noqa: E731
-        for name, values in self._scores(todo, results, overrides, rows):
+                     .append_column(columns.SAMPLE_INDEX, pa.array(rows.samples, pa.int32()))
+                     .append_column(columns.SAMPLES, pa.array(rows.counts, pa.int32())))
+        rows_of = lambda value, type_: pa.array([value] * n, type_)  # noqa: E731
+        for name, values in self._scores(todo, results, rows.overrides, n):
             batch = batch.append_column(name, values)
-        if thinking:
+        if self.sampling.reasoning_column is not None:
             batch = (batch.append_column(self.sampling.reasoning_column,
-                                         pa.array(reasoning, pa.string()))
+                                         pa.array(out.reasoning, pa.string()))
                      .append_column(columns.REASONING_TOKENS,
-                                    pa.array(reasoning_tokens, pa.int64())))
+                                    pa.array(out.reasoning_tokens, pa.int64())))
         release_free_memory()
         return (batch
                 .append_column(columns.REPLICA, rows_of(self.replica, pa.string()))
                 .append_column(columns.READY_AT, rows_of(self.ready_at, pa.float64()))
                 .append_column(columns.DONE_AT, rows_of(time.time(), pa.float64()))
-                .append_column(self.output_column, pa.array(text, pa.string()))
-                .append_column(columns.FINISH_REASON, pa.array(finish, pa.string()))
-                .append_column(columns.COMPLETION_TOKENS, pa.array(completion, pa.int64()))
-                .append_column(columns.ERROR_KIND, pa.array(kinds, pa.string()))
-                .append_column(columns.ERROR, pa.array(errors, pa.string())))
+                .append_column(self.output_column, pa.array(out.text, pa.string()))
+                .append_column(columns.FINISH_REASON, pa.array(out.finish, pa.string()))
+                .append_column(columns.COMPLETION_TOKENS, pa.array(out.completion, pa.int64()))
+                .append_column(columns.ERROR_KIND, pa.array(out.kinds, pa.string()))
+                .append_column(columns.ERROR, pa.array(out.errors, pa.string())))
 
     def _image_counts(self, batch: pa.Table, images: list, engine_counts: list) -> pa.Table:
         """The image_count and image_tokens columns: a row's images, and the tokens the engine
@@ -411,89 +467,3 @@ class Predictor:
 
     def close(self) -> None:
         self.engine.close()
-
-
-# Seconds between two trims of the C heap in a process (see release_free_memory)
-TRIM_EVERY_S = 30.0
-_trim_lock = threading.Lock()
-_trimmed_at: float | None = None
-
-
-def release_free_memory() -> None:
-    """Give the C heap's free pages back to the system, at most once every TRIM_EVERY_S
-    seconds. glibc keeps what a block's requests, tensors and Arrow buffers freed, and over a
-    long job that grew the engine's actor by several MiB a block while bare vLLM stayed flat;
-    trimmed now and then it levels off. Not after every block: a trim also hands back the
-    pages the engine reuses for each step's activations, which then fault in again. On the
-    prefill-heavy job (#24, 20k rows, max_tokens 1) trimming after every block cost the engine
-    thread ~20% more CPU, much of it in the kernel, and ~0.1 of bare vLLM's speed.
-    A no-op where the C library is not glibc."""
-    global _trimmed_at
-    if _malloc_trim is None:
-        return
-    with _trim_lock:
-        now = time.monotonic()
-        if _trimmed_at is not None and now - _trimmed_at < TRIM_EVERY_S:
-            return
-        _trimmed_at = now
-    _malloc_trim(0)
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system now (glibc), whatever the time."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-def release_memory() -> None:
-    """A worker that runs large tasks one after another (reading a unit of photos, compacting
-    a group): the pages one took go back to the system once it is done, rather than stay
-    with the allocators (Arrow's pool, glibc's heap) until the next."""
-    pa.default_memory_pool().release_unused()
-    trim_heap()
-
-
-def _find_malloc_trim():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _find_malloc_trim()
-
-
-def replica_label() -> dict:
-    """This replica as the run report names it: node address, actor, accelerators."""
-    import ray
-
-    if not ray.is_initialized():
-        return {"node": "local", "actor": None, "gpus": []}
-    ctx = ray.get_runtime_context()
-    actor = ctx.get_actor_id()
-    gpus = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])] or _group_gpus()
-    return {"node": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id()[:12],
-            "actor": actor[:12] if actor else None, "gpus": sorted(gpus)}
-
-
-def _group_gpus() -> list[str]:
-    """The GPU ids of this actor's placement group (tensor parallel), found by a short task
-    on each of its GPU bundles: the actor itself holds none of them."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    group = ray.util.get_current_placement_group()
-    if group is None:
-        return []
-
-    @ray.remote(num_cpus=0, num_gpus=1)
-    def gpu_ids() -> list:
-        return ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-
-    probes = [gpu_ids.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-        group, placement_group_bundle_index=i)).remote()
-        for i, bundle in enumerate(group.bundle_specs) if bundle.get("GPU")]
-    return [str(g) for ids in ray.get(probes) for g in ids]

@@ -2,8 +2,8 @@
 
 Rendering happens on the CPU before the engine sees a row, so that a row that cannot become a
 prompt (a null in a template column, a prompt that cannot fit the context) is marked with an
-error here and never costs engine time. Templates run in Jinja's sandbox, and row values are
-only ever inserted as data: a value holding ``{{ ... }}`` stays literal text.
+error here and never costs engine time. Templates run in Jinja's sandbox (udfs/stages/templates.py);
+a messages column is read as chat messages in udfs/stages/row_messages.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import json
 from dataclasses import dataclass
 
 import pyarrow as pa
-from jinja2 import StrictUndefined, TemplateSyntaxError, meta, nodes
-from jinja2.sandbox import SandboxedEnvironment
 
 from udfs import columns
 from udfs.rows import images
@@ -21,141 +19,8 @@ from udfs.stages.chat_content import (ContentError, image_placeholder, resolve_c
                                string_content)
 from udfs.columns import ErrorKind, FinishReason
 from udfs.rows.images import ImageSpec
-
-
-class TemplateError(ValueError):
-    """The prompt template does not parse; ``lineno`` is its line."""
-
-    def __init__(self, message: str, lineno: int | None):
-        super().__init__(message)
-        self.lineno = lineno
-
-
-# A template's name for the whole row: row["Product Name"] reaches a column whose name is no
-# Jinja name (a space, a dash, a leading digit); row.title is {{ title }}
-ROW = "row"
-
-
-def compile_template(source: str):
-    """Compile a template in the sandbox; returns (template, the column names it uses)."""
-    env = SandboxedEnvironment(undefined=StrictUndefined, autoescape=False,
-                               keep_trailing_newline=True)
-    # a null inside a struct or list (``Null``) is none to the template's tests, missing to
-    # ``default`` and null in ``tojson``, as a top-level null would be
-    env.tests["none"] = lambda value: value is None or isinstance(value, Null)
-    env.filters["default"] = env.filters["d"] = _default(env.filters["default"])
-    env.policies["json.dumps_kwargs"] = {**env.policies["json.dumps_kwargs"],
-                                         "default": _json_null}
-    try:
-        ast = env.parse(source)
-        template = env.from_string(source)
-    except TemplateSyntaxError as exc:
-        raise TemplateError(exc.message or str(exc), exc.lineno) from None
-    variables = meta.find_undeclared_variables(ast)
-    if ROW in variables:
-        variables = (variables - {ROW}) | _row_columns(ast)
-    return template, sorted(variables)
-
-
-def _row_columns(ast) -> set[str]:
-    """The columns a template reaches through ``row``: each use names its column, so that
-    pre-flight checks them and a row's nulls are found as for any other column."""
-    names, reached = set(), set()
-    for node in ast.find_all((nodes.Getitem, nodes.Getattr)):
-        if not (isinstance(node.node, nodes.Name) and node.node.name == ROW):
-            continue
-        if isinstance(node, nodes.Getattr):
-            names.add(node.attr)
-        elif isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
-            names.add(node.arg.value)
-        else:
-            raise TemplateError('row[...] takes a column\'s name in quotes, e.g. '
-                                'row["Product Name"]', node.lineno)
-        reached.add(id(node.node))
-    for name in ast.find_all(nodes.Name):
-        if name.name == ROW and name.ctx == "load" and id(name) not in reached:
-            raise TemplateError('row is the whole row: write row["column name"] (a column '
-                                'named row is row["row"])', name.lineno)
-    return names
-
-
-def render_template(template, row: dict, on_null: str = "error") -> str:
-    """``template`` on one row's values: each column by its name, and all of them as
-    ``row``. A null inside a column's struct or list follows ``on_null`` where the template
-    prints it (``Null``); the caller has dealt with a column that is null."""
-    row = {name: _with_nulls(value, name, on_null) for name, value in row.items()}
-    return template.render({**row, ROW: row})
-
-
-class NullValue(ValueError):
-    """A template printed a null inside a column (``on_null: error``): the row's error."""
-
-    def __init__(self, path: str):
-        super().__init__(f"{path!r} is null in this row")
-        self.path = path
-
-
-class Null:
-    """A null inside a struct or list, as a template sees it. Python's None would print as
-    the text "None" ("Color: None", "a, None"); this prints as ``on_null`` says: an error
-    naming its place (``meta.color``, ``tags[1]``), or nothing. It is false, equal to none,
-    and a field or item of it is null too."""
-
-    __slots__ = ("path", "on_null")
-
-    def __init__(self, path: str, on_null: str):
-        self.path, self.on_null = path, on_null
-
-    def __str__(self) -> str:
-        if self.on_null == "error":
-            raise NullValue(self.path)
-        return ""
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __eq__(self, other) -> bool:
-        return other is None or isinstance(other, Null)
-
-    def __hash__(self) -> int:
-        return hash(None)
-
-    def __repr__(self) -> str:  # a whole struct printed: Python's text of it, as before
-        return "null"
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return Null(f"{self.path}.{name}", self.on_null)
-
-    def __getitem__(self, key):
-        return Null(f"{self.path}[{key!r}]", self.on_null)
-
-
-def _with_nulls(value, path: str, on_null: str):
-    """``value`` with each null inside it a ``Null`` that knows its place."""
-    if isinstance(value, dict):
-        return {k: Null(f"{path}.{k}", on_null) if v is None
-                else _with_nulls(v, f"{path}.{k}", on_null) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):  # (a map's items are tuples: kept so)
-        return type(value)(Null(f"{path}[{i}]", on_null) if v is None
-                           else _with_nulls(v, f"{path}[{i}]", on_null)
-                           for i, v in enumerate(value))
-    return value
-
-
-def _default(default):
-    def with_nulls(value, default_value="", boolean=False):
-        return default_value if isinstance(value, Null) else \
-            default(value, default_value, boolean)
-
-    return with_nulls
-
-
-def _json_null(value):
-    if isinstance(value, Null):
-        return None
-    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+from udfs.stages import row_messages
+from udfs.stages.templates import NullValue, compile_template, render_template
 
 
 @dataclass(frozen=True)
@@ -184,66 +49,6 @@ class RenderSpec:
     # how the chat template reads a message's content (udfs/stages/chat_content.py): "auto" as
     # vLLM's chat path tells it from the template, or "string" / "openai"
     chat_template_content_format: str = "auto"
-
-
-def _decoded(value):
-    """A messages-column value: a list of messages, or a string holding JSON (a list of
-    messages, or a string: a raw prompt), or any other string: a raw prompt."""
-    if isinstance(value, str):
-        try:
-            decoded = json.loads(value)
-        except ValueError:
-            return value
-        return decoded if isinstance(decoded, (list, str)) else value
-    return value
-
-
-def _messages(value) -> tuple[list[dict], list[dict]]:
-    """A row's messages column as chat messages, and the image sources its ``image_url`` parts
-    hold, in order; ValueError (a row error) if it is not. A content that is a list of parts
-    keeps its text parts and has ``{"type": "image"}`` where an image stands: the parts a chat
-    template reads, as vLLM's chat path gives them."""
-    value = _decoded(value)
-    if not isinstance(value, list) or not value:
-        raise ValueError("the messages column must hold a non-empty list of {role, content}")
-    out, found = [], []
-    for item in value:
-        content = item.get("content") if isinstance(item, dict) else None
-        if not isinstance(item, dict) or not isinstance(item.get("role"), str) \
-                or not isinstance(content, (str, list)):
-            raise ValueError(f"not a {{role, content}} message: {str(item)[:80]}")
-        if isinstance(content, list):
-            content = [_part(part, found) for part in content]
-        out.append({"role": item["role"], "content": content})
-    return out, found
-
-
-def _part(part, found: list[dict]) -> dict:
-    """One content part as a chat template reads it; an image's source added to ``found``."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
-        return {"type": "text", "text": part["text"]}
-    if kind == "image_url":
-        url = part.get("image_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str) or not url:
-            raise ValueError("an image_url part without a url")
-        # as OpenAI's API takes them: never a path, so a request cannot make a server read
-        # one of its own files
-        if not url.startswith(("data:", "http://", "https://")):
-            raise ValueError(f"an image_url must be a data: URL or an http(s) URL, not "
-                             f"{url[:60]!r}")
-        found.append({"bytes": None, "path": url})
-        return {"type": "image"}
-    raise ValueError(f"a content part must be text or image_url: {str(part)[:80]}")
-
-
-def user_content(text: str, count: int) -> str | list[dict]:
-    """A user message's content: the text, after ``count`` images (the order most
-    vision-language models are trained on)."""
-    if not count:
-        return text
-    return [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
@@ -352,10 +157,10 @@ class PromptRenderer:
         from prompt.images columns, placed before the template's text."""
         found: list[dict] = []
         if self.template is None:
-            value = _decoded(row[self.spec.messages_column])
+            value = row_messages.decoded(row[self.spec.messages_column])
             if isinstance(value, str):
                 return value, None, found
-            messages, found = _messages(value)
+            messages, found = row_messages.messages(value)
         else:
             user = render_template(self.template, row, self.spec.on_null)
             if not self.use_chat:
@@ -363,7 +168,8 @@ class PromptRenderer:
                     raise ValueError("images need the model's chat template, which places "
                                      "them (prompt.chat is off, or the model has none)")
                 return user, None, found
-            messages = [{"role": "user", "content": user_content(user, images_count)}]
+            content = row_messages.user_content(user, images_count)
+            messages = [{"role": "user", "content": content}]
         if self.spec.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.spec.system})
         return None, messages, found

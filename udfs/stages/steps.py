@@ -12,8 +12,9 @@ A step is one of:
   would be (``Predictor``, sharing this replica's engine), its structured output parsed
   (``OutputParser``); ``sampling.n`` > 1 or ``explode`` (a JSON array, one row per element)
   turn one row into several;
-- a filter: ``where``, a polars SQL expression; a row for which it does not hold is dropped
-  there and goes no further (as does a row a step skipped: ``prompt.on_too_long: skip``).
+- a filter: ``where``, a polars SQL expression (udfs/stages/where.py); a row for which it
+  does not hold is dropped there and goes no further (as does a row a step skipped:
+  ``prompt.on_too_long: skip``).
 
 A step may have both: the filter first, then the generation on the rows that pass.
 
@@ -48,8 +49,10 @@ from udfs import columns
 from udfs.columns import ErrorKind, FinishReason
 from udfs.engines.engine import EngineSpec
 from udfs.rows.parsers import OutputParser, StructuredSpec
-from udfs.stages.predictor import Predictor, SamplingSpec, release_free_memory
+from udfs.stages.memory import release_free_memory
+from udfs.stages.predictor import Predictor, SamplingSpec
 from udfs.stages.prompts import RenderSpec
+from udfs.stages.where import where_mask
 
 # Internal columns of a block between steps
 _SEQ = "__overnight_step_seq"  # the row's position in the block before the step
@@ -75,41 +78,6 @@ class StepSpec:
     structured: StructuredSpec | None = None
     explode: bool = False
     fan_out: bool = False  # adds C_index (explode, or n > 1)
-
-
-def where_mask(table: pa.Table, expression: str) -> tuple[list[bool], dict[int, str]]:
-    """The rows for which ``expression`` (polars SQL) holds, null counting as not; and the
-    rows it cannot be evaluated on (``CAST(rating AS INTEGER)`` over a rating of "good"), by
-    position, with why: each such row's own error, never the block's. Polars is handed only
-    the columns the filter names: a column it cannot hold elsewhere in the row (decimal256)
-    is none of its business."""
-    import polars as pl
-
-    expr = pl.sql_expr(expression).fill_null(False)
-    part = table.select(list(dict.fromkeys(expr.meta.root_names())))
-    try:
-        return _holds(part, expr, table.num_rows), {}
-    except (Exception, pl.exceptions.PanicException):  # noqa: BLE001 - some row's value
-        pass
-    keep, failed = [], {}
-    for i in range(table.num_rows):  # row by row, to find which
-        try:
-            keep.extend(_holds(part.slice(i, 1), expr, 1))
-        except (Exception, pl.exceptions.PanicException) as exc:  # noqa: BLE001
-            keep.append(False)
-            failed[i] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    return keep, failed
-
-
-def _holds(part: pa.Table, expr, rows: int) -> list[bool]:
-    import polars as pl
-
-    from udfs.rows import to_polars
-
-    # (to_polars: a column of a type polars cannot take, a decimal256, as one it can)
-    frame = to_polars.frame(part) if part.num_columns else pl.DataFrame()
-    values = frame.select(expr).to_series().to_list()
-    return values * rows if len(values) == 1 and rows != 1 else values  # a constant filter
 
 
 class StepsPredictor:
