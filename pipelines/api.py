@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 
 from pipelines.config import load_config, read_yaml
 from pipelines.errors import ConfigError
-from pipelines.job.pipeline import RunSummary, run_job
+from pipelines.job.pipeline import run_job
+from pipelines.job.summary import RunSummary
 
 
 def run_dataframe(data: pl.DataFrame | pa.Table, config: dict | str | Path,

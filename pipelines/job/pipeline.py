@@ -9,116 +9,29 @@ import json
 import os
 import threading
 import time
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from contextlib import ExitStack
+from dataclasses import replace
 
 from pipelines.config import JobConfig
 from pipelines.errors import JobError, OutputError, StageError, one_line, root_cause
-from pipelines.plan.preflight import JobPlan, plan_job
 from pipelines.job.progress import Progress
+from pipelines.job.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
+from pipelines.job.stage import stage
+from pipelines.job.summary import RunSummary
+from pipelines.job.watchdog import watch
+from pipelines.plan.preflight import JobPlan, plan_job
 from pipelines.read import blocks_at_once, read_dataset
 from pipelines.report.run_report import RunTimes, build_report, write_report
-from pipelines.job.resources import LIGHT_STAGE_CPUS, check_paths_shared, plan_replicas, ray_session
+from pipelines.reuse.carry import LookUpInRay, find_reuse, stage_reuse
 from pipelines.storage import scrub_record
-from pipelines.job.watchdog import watch
+from pipelines.write import OutputStore, PartLayout, PartWriter, RetryWriter
 from pipelines.write.compact import compact
-from pipelines.reuse.carry import (LARGE_ROWS, carry_over_on_ray, plan_reuse, reuse_source,
-                             stage_reused, steps_carried)
-from pipelines.write import (OutputStore, PartLayout, PartWriter, RetryWriter, add_steps,
-                             diff_fingerprints)
 from udfs import columns
-from udfs.stages.chain import chain_named_for
-from udfs.columns import ErrorKind
 from udfs.rows.parsers import OutputParser
+from udfs.stages.chain import chain_named_for
 from udfs.stages.pooler import Pooler
 from udfs.stages.predictor import Predictor
 from udfs.stages.steps import StepsPredictor
-
-
-@dataclass
-class RunSummary:
-    rows: int = 0  # output rows: input rows x samples (sampling.n), less any deduped
-    input_rows: int = 0
-    rows_total: int = 0
-    rows_resumed: int = 0  # written by an earlier, interrupted run of the same job
-    rows_reused: int = 0  # carried over from an earlier output (output.reuse)
-    reuse: dict | None = None  # with output.reuse: what was carried over (pipelines/reuse/carry.py)
-    skipped: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    parts: int = 0
-    seconds: float = 0.0
-    output: str = ""
-    structured: bool = False
-    deduped: int | None = None  # with output.dedupe: duplicate samples dropped
-    recovery: dict | None = None  # engine restarts, retried blocks, isolated rows
-    steps: list[dict] | None = None  # a job with steps: each step's counts (rows, tokens)
-    keep_dropped: bool = False  # output.keep_dropped: rows a step dropped are written, not ok
-    report: dict | None = None  # the run report (pipelines/report/run_report.py), once committed
-    report_path: str | None = None
-
-    @property
-    def dropped(self) -> int:
-        """Rows a step dropped that were written (output.keep_dropped): a step's skipped rows
-        are dropped rows too, so they count once, as in the run report."""
-        if not (self.keep_dropped and self.steps):
-            return 0
-        return sum(step.get("dropped", 0) for step in self.steps)
-
-    @property
-    def rows_ok(self) -> int:
-        return self.rows - max(self.skipped, self.dropped) - sum(self.errors.values())
-
-    def add_part(self, record: dict) -> None:
-        self.parts += 1
-        self.input_rows += record["input_rows"]
-        self.rows += record["rows"]
-        self.skipped += record["skipped"]
-        self.prompt_tokens += record["prompt_tokens"]
-        self.completion_tokens += record["completion_tokens"]
-        for kind, n in json.loads(record["errors"]).items():
-            self.errors[kind] = self.errors.get(kind, 0) + n
-        if record.get("steps") is not None:
-            self.steps = add_steps(self.steps or [], record["steps"])
-
-    @property
-    def rows_generated(self) -> int:
-        """Rows the engine generated for (a parse error comes after generation)."""
-        return self.rows_ok + self.errors.get(ErrorKind.PARSE, 0)
-
-    def notes(self) -> list[str]:
-        """What only some jobs have to say: structured-output validity, dedupe, resume."""
-        out = []
-        if self.rows_resumed:
-            out.append(f"resumed: {self.rows_resumed} rows were written by an earlier run")
-        if self.reuse is not None:
-            r = self.reuse
-            out.append(f"reused: {r['reused']} rows carried over from {r['source']}"
-                       f"{steps_carried(r)} "
-                       f"({r['prompt_tokens_saved'] + r['completion_tokens_saved']} tokens "
-                       f"not generated again), {r['generated']} generated, {r['dropped']} "
-                       "earlier rows no longer asked for")
-        if self.structured:
-            valid = self.rows_generated - self.errors.get(ErrorKind.PARSE, 0)
-            out.append(f"structured output: {valid}/{self.rows_generated} valid "
-                       f"({100 * valid / max(self.rows_generated, 1):.1f}%)")
-        if self.deduped is not None:
-            out.append(f"dedupe: {self.deduped} duplicate samples dropped")
-        return out
-
-    def lines(self) -> list[str]:
-        errs = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
-        dropped = f"{self.dropped} dropped by a step, " if self.dropped else ""
-        return [f"rows: {self.rows} written ({self.rows_ok} ok, {self.skipped} skipped, {dropped}"
-                f"{sum(self.errors.values())} with errors: {errs})",
-                *self.notes(),
-                f"tokens: {self.prompt_tokens} in, {self.completion_tokens} out",
-                f"time: {self.seconds:.1f} s; output: {self.output}"]
-
-    def counts(self) -> dict:
-        """The numbers kept in the job record."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("report", "report_path")}
 
 
 def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int],
@@ -239,7 +152,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         return _finish_commit(store, record)
     progress = progress or Progress(total=0, enabled=False)
     reuse_started = time.time()
-    reusing = _plan_reuse(plan, store, progress) if not retry_errors else None
+    reusing = find_reuse(plan, store, progress) if not retry_errors else None
     reuse_s = time.time() - reuse_started
     try:
         if retry_errors:
@@ -275,10 +188,10 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     reused = None
     if reusing is not None:  # the rows found, staged as parts before any engine starts
         staging_started = time.time()
-        if isinstance(reusing, _LookUpInRay):  # Ray now, for the task (and the job after)
+        if isinstance(reusing, LookUpInRay):  # Ray now, for the task (and the job after)
             session.enter_context(ray_session(config.resources.address, verbose=verbose))
         with stage("staging the reused rows"):
-            reused = _stage_reuse(plan, store, reusing, layout, done, progress)
+            reused = stage_reuse(plan, store, reusing, layout, done, progress)
         reuse_s += time.time() - staging_started
         done = store.resume(block_starts, plan.input.num_rows)
         only_rows = store.remaining or None
@@ -367,19 +280,6 @@ def _rows_to_run(plan: JobPlan, done: set[int], only_rows: dict | None) -> int:
                else b.num_rows for b in plan.input.blocks if b.ordinal not in done)
 
 
-@contextmanager
-def stage(what: str, kept: bool = False):
-    """A stage of ``run_job`` whose unforeseen failure (a corrupt part, a full disk, a bug)
-    stops the job in one line, as a user's mistake does; --debug shows the traceback."""
-    try:
-        yield
-    except JobError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the boundary: whatever it was, one line
-        kept_note = ("the parts written are kept: fix the cause and run the same command "
-                     "again; " if kept else "")
-        raise StageError(f"{what} failed: {root_cause(exc)} ({kept_note}--debug shows the "
-                         "traceback)") from exc
 
 
 def _finish_commit(store: OutputStore, record: dict) -> RunSummary:
@@ -421,54 +321,6 @@ def job_metadata(plan: JobPlan) -> dict:
     return meta
 
 
-def _plan_reuse(plan: JobPlan, store: OutputStore, progress: Progress):
-    """With output.reuse: the earlier output's rows this run's table asks for again (None:
-    no reuse). A resumed reuse run has staged them already: its record says what it found."""
-    if plan.request_key is None or not (plan.config.output.reuse
-                                        or plan.config.output.reuse_from):
-        return None
-    record = store.read_record() or {}
-    if (record.get("state") == "running" and store.staging.exists()
-            and record.get("reuse") and not diff_fingerprints(record.get("fingerprint", {}),
-                                                              plan.fingerprint)):
-        return record["reuse"]  # staged before it stopped
-    source = reuse_source(plan.config)
-    if source is None:
-        progress.say(f"reuse: no earlier output at {plan.config.output.path} yet; every row "
-                     "is generated")
-        return None
-    if plan.input.num_rows >= LARGE_ROWS:
-        return _LookUpInRay(source)  # found and staged in one Ray task: _stage_reuse
-    with stage("finding the rows to reuse"):
-        found = plan_reuse(plan, source)
-    progress.say(found.line())
-    return found
-
-
-@dataclass
-class _LookUpInRay:
-    """A large table's rows to reuse: looked up and staged in a Ray task, not the driver."""
-
-    source: object  # a Location
-
-
-def _stage_reuse(plan: JobPlan, store: OutputStore, found, layout: PartLayout,
-                 done: set[int], progress: Progress) -> dict:
-    """The rows found, written as parts; the record says so, so that a resumed run does not
-    look for them again."""
-    if isinstance(found, dict):  # a resumed run's: staged already
-        return found
-    if isinstance(found, _LookUpInRay):
-        record, saved, line = carry_over_on_ray(plan, found.source, layout, done)
-        progress.say(line)
-    else:
-        record, saved = found.record(), stage_reused(plan, found, layout, done)
-    reused = {**record, "reused": saved["rows"],
-              "generated": plan.input.num_rows - saved["rows"],
-              "prompt_tokens_saved": saved["prompt_tokens"],
-              "completion_tokens_saved": saved["completion_tokens"]}
-    store.write_record({**(store.read_record() or {}), "reuse": reused})
-    return reused
 
 
 MAX_SAMPLES = 1000  # the report's throughput-over-time samples, at most about

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.errors import OutputError
-from pipelines.reuse.carry import steps_carried
+from pipelines.reuse.find import steps_carried
 from pipelines.storage import Location, scrub_record
 from pipelines.write import OutputStore, list_parts
 from udfs import columns
