@@ -50,29 +50,7 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                                       slots=replicas.replicas * at_once)
     if ds is None:
         return None
-    engine = plan.engine
-    if engine.kind != "http" and replicas.cpu_threads and not engine.options.get("cpu_threads"):
-        engine = replace(engine, options={**engine.options,
-                                                      "cpu_threads": replicas.cpu_threads})
-    # The predictor renders the prompts too (udfs/stages/predictor.py says why); a pooling task's
-    # pooler (udfs/stages/pooler.py) likewise
-    shared = {"engine": engine, "render": plan.render, "health": health,
-              "stall_timeout_s": plan.config.engine.stall_timeout_s}
-    if plan.steps is not None:  # every step on this engine (udfs/stages/steps.py)
-        stage = (StepsPredictor, {
-            "engine": engine, "steps": plan.steps, "health": health,
-            "stall_timeout_s": plan.config.engine.stall_timeout_s,
-            "key_column": plan.config.input.id_column or columns.ORDINAL,
-            "keep_dropped": plan.config.output.keep_dropped,
-            # a re-run that reuses an earlier output's first steps: their rows, staged
-            **({"states": str(layout.staging), "from_step": from_step,
-                "block_starts": layout.block_starts} if from_step is not None else {})})
-    elif plan.pooling is None:
-        stage = (Predictor, {**shared, "sampling": plan.sampling,
-                             "output_column": plan.config.output.column})
-    else:
-        stage = (Pooler, {**shared, "pooling": plan.pooling,
-                          "pair_template": plan.config.prompt.pair_template})
+    generate = _engine_stage(plan, layout, replicas, health, from_step)
     # Parts are written as they come, where the rows are: in the last stage's actors, a pool
     # as large as the engines' (udfs/stages/chain.py says why). A re-run of rows with errors merges
     # each block whole: one writer, a stage of its own.
@@ -84,7 +62,7 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                                      "output_column": plan.config.output.column}))
     if retry:
         after.append(writer)
-    engine_stages = [stage] if after else [stage, writer]
+    engine_stages = [generate] if after else [generate, writer]
     ds = ds.map_batches(chain_named_for(engine_stages),
                         # Ray Data's blocks, cut back into the plan's blocks in the actor, as
                         # many at once as the engine takes; a block may come in pieces, each
@@ -107,6 +85,33 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                             batch_format="pyarrow", batch_size=None,
                             num_cpus=round(2 * LIGHT_STAGE_CPUS / pool, 4), compute=_pool(pool))
     return ds
+
+
+def _engine_stage(plan: JobPlan, layout: PartLayout, replicas, health: str | None,
+                  from_step: int | None) -> tuple:
+    """The stage that holds the engine: (its class, its arguments), for a job of steps, a
+    one-prompt job or a pooling task."""
+    engine = plan.engine
+    if engine.kind != "http" and replicas.cpu_threads and not engine.options.get("cpu_threads"):
+        engine = replace(engine, options={**engine.options, "cpu_threads": replicas.cpu_threads})
+    # The predictor renders the prompts too (udfs/stages/predictor.py says why); a pooling task's
+    # pooler (udfs/stages/pooler.py) likewise
+    shared = {"engine": engine, "render": plan.render, "health": health,
+              "stall_timeout_s": plan.config.engine.stall_timeout_s}
+    if plan.steps is not None:  # every step on this engine (udfs/stages/steps.py)
+        return (StepsPredictor, {
+            "engine": engine, "steps": plan.steps, "health": health,
+            "stall_timeout_s": plan.config.engine.stall_timeout_s,
+            "key_column": plan.config.input.id_column or columns.ORDINAL,
+            "keep_dropped": plan.config.output.keep_dropped,
+            # a re-run that reuses an earlier output's first steps: their rows, staged
+            **({"states": str(layout.staging), "from_step": from_step,
+                "block_starts": layout.block_starts} if from_step is not None else {})})
+    if plan.pooling is None:
+        return (Predictor, {**shared, "sampling": plan.sampling,
+                            "output_column": plan.config.output.column})
+    return (Pooler, {**shared, "pooling": plan.pooling,
+                     "pair_template": plan.config.prompt.pair_template})
 
 
 def _pool(size: int, concurrent_blocks: int = 1):
@@ -136,55 +141,21 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
 def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
              progress: Progress | None, verbose: bool, session: ExitStack) -> RunSummary:
     started = time.time()
-    if retry_errors and config.steps is not None:
-        raise JobError("--retry-errors does not apply to a job with steps yet (a row's steps "
-                       "run together); run the job again with --overwrite")
-    if retry_errors and (config.output.reuse or config.output.reuse_from):
-        raise JobError("--retry-errors and output.reuse do not go together: a reuse run "
-                       "generates the rows that failed before anyway; drop one")
+    _refuse_flags(config, retry_errors)
     with stage("planning the job"):  # every stage's unforeseen failure: one line
         plan = plan_job(config)
     planned = time.time()
     store = OutputStore(config.output.path)
-    key_column = config.input.id_column or columns.ROW_ID
-    block_starts = tuple(b.ordinal for b in plan.input.blocks)
     if not retry_errors and (record := store.interrupted_commit(plan.fingerprint)):
         return _finish_commit(store, record)
     progress = progress or Progress(total=0, enabled=False)
     reuse_started = time.time()
     reusing = find_reuse(plan, store, progress) if not retry_errors else None
     reuse_s = time.time() - reuse_started
-    try:
-        if retry_errors:
-            only_rows, done = store.open_retry(plan.fingerprint, key_column, block_starts,
-                                               plan.input.num_rows), set()
-            todo = sum(len(rows) for rows in only_rows.values())
-        else:
-            # a reuse run replaces the output it reuses (at its commit, as any run does)
-            done = store.open(plan.fingerprint, overwrite=overwrite or reusing is not None,
-                              rows_total=plan.input.num_rows, block_starts=block_starts)
-            # of blocks written in part by an interrupted run, only the rows still to run
-            only_rows = store.remaining or None
-            todo = _rows_to_run(plan, done, only_rows)
-    except OSError as exc:  # permissions, a full disk, an object store refusing
-        raise OutputError(f"output.path {str(store.path)!r}: cannot write there: "
-                          f"{one_line(exc, 300)}") from None
-    layout = PartLayout(
-        staging=store.staging,
-        source_columns=tuple(plan.input.schema.names),
-        added_columns=tuple(plan.config.generated_columns()),  # with a classifier's labels
-        block_starts=block_starts,
-        block_rows=tuple(len(only_rows.get(b.ordinal, ())) if retry_errors else b.num_rows
-                         for b in plan.input.blocks),
-        merge_from=store.path if retry_errors else None,
-        key_column=key_column,
-        text_column=config.output.column,
-        dedupe=config.output.dedupe,
-        rows_total=plan.input.num_rows,
-        keep_dropped=config.output.keep_dropped,
-        metadata=((columns.JOB_METADATA, json.dumps(job_metadata(plan)).encode()),),
-        request_key=plan.request_key,
-    )
+    # a reuse run replaces the output it reuses (at its commit, as any run does)
+    done, only_rows, todo = _open_output(config, plan, store, retry_errors,
+                                         overwrite=overwrite or reusing is not None)
+    layout = _part_layout(config, plan, store, only_rows, retry_errors)
     reused = None
     if reusing is not None:  # the rows found, staged as parts before any engine starts
         staging_started = time.time()
@@ -193,51 +164,140 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         with stage("staging the reused rows"):
             reused = stage_reuse(plan, store, reusing, layout, done, progress)
         reuse_s += time.time() - staging_started
-        done = store.resume(block_starts, plan.input.num_rows)
+        done = store.resume(layout.block_starts, plan.input.num_rows)
         only_rows = store.remaining or None
         todo = _rows_to_run(plan, done, only_rows)
+    _start_progress(config, plan, store, progress, todo, retry_errors)
+    times = RunTimes(started)  # this run's part records, added up: replicas, times
+    with ray_session(config.resources.address, verbose=verbose):
+        ray_ready = time.time()
+        recovery, samples = _generate(config, plan, store, layout, done, only_rows, progress,
+                                      times, retry_errors=retry_errors, verbose=verbose,
+                                      from_step=(reused or {}).get("from_step"))
+        stats = _compact(config, plan, store, layout)
+    summary = _summarize(config, plan, store, stats, todo, reused, recovery, started)
+    record = _commit(config, plan, store, summary)
+    with stage("writing the run report (the output is committed)"):
+        summary.report = build_report(store.path, record, times=times, samples=samples,
+                                      stats=stats, timings={
+            "started": started, "planned": planned, "ray_ready": ray_ready,
+            **({"reuse_s": reuse_s} if reused is not None else {}),
+            "finished": time.time()})
+        summary.report_path = str(write_report(store.path, summary.report))
+    return summary
+
+
+def _refuse_flags(config: JobConfig, retry_errors: bool) -> None:
+    """--retry-errors where it does not apply: one line, before anything is planned."""
+    if retry_errors and config.steps is not None:
+        raise JobError("--retry-errors does not apply to a job with steps yet (a row's steps "
+                       "run together); run the job again with --overwrite")
+    if retry_errors and (config.output.reuse or config.output.reuse_from):
+        raise JobError("--retry-errors and output.reuse do not go together: a reuse run "
+                       "generates the rows that failed before anyway; drop one")
+
+
+def _open_output(config: JobConfig, plan: JobPlan, store: OutputStore, retry_errors: bool,
+                 overwrite: bool) -> tuple[set[int], dict | None, int]:
+    """The output opened for this run: the blocks done already, of the others the rows still
+    to run where not all (None: all), and the input rows this run generates."""
+    key_column = config.input.id_column or columns.ROW_ID
+    block_starts = tuple(b.ordinal for b in plan.input.blocks)
+    try:
+        if retry_errors:
+            only_rows, done = store.open_retry(plan.fingerprint, key_column, block_starts,
+                                               plan.input.num_rows), set()
+            return done, only_rows, sum(len(rows) for rows in only_rows.values())
+        done = store.open(plan.fingerprint, overwrite=overwrite,
+                          rows_total=plan.input.num_rows, block_starts=block_starts)
+        # of blocks written in part by an interrupted run, only the rows still to run
+        only_rows = store.remaining or None
+        return done, only_rows, _rows_to_run(plan, done, only_rows)
+    except OSError as exc:  # permissions, a full disk, an object store refusing
+        raise OutputError(f"output.path {str(store.path)!r}: cannot write there: "
+                          f"{one_line(exc, 300)}") from None
+
+
+def _part_layout(config: JobConfig, plan: JobPlan, store: OutputStore,
+                 only_rows: dict | None, retry_errors: bool) -> PartLayout:
+    """Where and how the writers put this run's parts."""
+    return PartLayout(
+        staging=store.staging,
+        source_columns=tuple(plan.input.schema.names),
+        added_columns=tuple(plan.config.generated_columns()),  # with a classifier's labels
+        block_starts=tuple(b.ordinal for b in plan.input.blocks),
+        block_rows=tuple(len(only_rows.get(b.ordinal, ())) if retry_errors else b.num_rows
+                         for b in plan.input.blocks),
+        merge_from=store.path if retry_errors else None,
+        key_column=config.input.id_column or columns.ROW_ID,
+        text_column=config.output.column,
+        dedupe=config.output.dedupe,
+        rows_total=plan.input.num_rows,
+        keep_dropped=config.output.keep_dropped,
+        metadata=((columns.JOB_METADATA, json.dumps(job_metadata(plan)).encode()),),
+        request_key=plan.request_key,
+    )
+
+
+def _start_progress(config: JobConfig, plan: JobPlan, store: OutputStore, progress: Progress,
+                    todo: int, retry_errors: bool) -> None:
+    """The progress line's totals: this run's rows, and those an earlier run wrote."""
     already = 0 if retry_errors else plan.input.num_rows - todo
     progress.total = todo + already
     progress.requests_total = todo * requests_per_row(config)
     progress.start(str(store.path), already=already)
-    times = RunTimes(started)  # this run's part records, added up: replicas, times
-    with ray_session(config.resources.address, verbose=verbose):
-        ray_ready = time.time()
-        # object stores are shared by nature; local paths must be seen by every node
-        check_paths_shared([os.path.abspath(loc.path) for loc in (*plan.input.files,
-                                                                   store.staging) if loc.local])
-        _quiet_ray_data(verbose)
-        health = _Health(plan.config.engine.max_restarts, progress)
-        ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name,
-                           others=not retry_errors,
-                           from_step=(reused or {}).get("from_step"))
-        try:
-            # watch(): a job that writes nothing for a while says what it waits for
-            for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),
-                               config) if ds else ():
-                for record in batch.to_pylist():
-                    times.add(record)
-                    by_kind = json.loads(record["errors"])
-                    progress.update(record["input_rows"], record["completion_tokens"],
-                                    sum(by_kind.values()), by_kind, record["prompt_tokens"])
-        except Exception as exc:  # an engine that would not start or died; a failed write
-            progress.finish()
-            health.close()
-            raise StageError(f"the job stopped: {root_cause(exc)} (the parts written are "
-                             "kept, and the same command resumes from them; --debug shows "
-                             "the traceback)") from exc
-        recovery = health.close()
-        samples = health.samples
+
+
+def _generate(config: JobConfig, plan: JobPlan, store: OutputStore, layout: PartLayout,
+              done: set[int], only_rows: dict | None, progress: Progress, times: RunTimes, *,
+              retry_errors: bool, verbose: bool, from_step: int | None) -> tuple[dict, list]:
+    """The rows still to do through the engines and writers, in the Ray session; each part's
+    record counted as it comes. Returns the engines' recovery summary and the throughput
+    samples."""
+    # object stores are shared by nature; local paths must be seen by every node
+    check_paths_shared([os.path.abspath(loc.path) for loc in (*plan.input.files,
+                                                               store.staging) if loc.local])
+    _quiet_ray_data(verbose)
+    health = _Health(plan.config.engine.max_restarts, progress)
+    ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name,
+                       others=not retry_errors, from_step=from_step)
+    try:
+        # watch(): a job that writes nothing for a while says what it waits for
+        for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),
+                           config) if ds else ():
+            for record in batch.to_pylist():
+                times.add(record)
+                by_kind = json.loads(record["errors"])
+                progress.update(record["input_rows"], record["completion_tokens"],
+                                sum(by_kind.values()), by_kind, record["prompt_tokens"])
+    except Exception as exc:  # an engine that would not start or died; a failed write
         progress.finish()
-        written = store.done_blocks(block_starts, plan.input.num_rows)
-        missing = [start for start in block_starts if start not in written]
-        if missing:  # never commit an output with a hole in it
-            raise JobError(f"{len(missing)} block(s) were not written (first: rows from "
-                           f"{missing[0]}); the parts written are kept: run again to resume")
-        # the parts into files of output.file_size_mb, on the cluster (pipelines/write/compact.py)
-        with stage("compacting the parts", kept=True):
-            stats = compact(store.staging, block_starts, plan.input.num_rows,
-                            int(config.output.file_size_mb * (1 << 20)), key_column)
+        health.close()
+        raise StageError(f"the job stopped: {root_cause(exc)} (the parts written are "
+                         "kept, and the same command resumes from them; --debug shows "
+                         "the traceback)") from exc
+    recovery = health.close()
+    progress.finish()
+    return recovery, health.samples
+
+
+def _compact(config: JobConfig, plan: JobPlan, store: OutputStore, layout: PartLayout) -> list:
+    """Every block written, the parts into files of output.file_size_mb, on the cluster
+    (pipelines/write/compact.py). Returns each file's counts."""
+    block_starts = layout.block_starts
+    written = store.done_blocks(block_starts, plan.input.num_rows)
+    missing = [start for start in block_starts if start not in written]
+    if missing:  # never commit an output with a hole in it
+        raise JobError(f"{len(missing)} block(s) were not written (first: rows from "
+                       f"{missing[0]}); the parts written are kept: run again to resume")
+    with stage("compacting the parts", kept=True):
+        return compact(store.staging, block_starts, plan.input.num_rows,
+                       int(config.output.file_size_mb * (1 << 20)), layout.key_column)
+
+
+def _summarize(config: JobConfig, plan: JobPlan, store: OutputStore, stats: list, todo: int,
+               reused: dict | None, recovery: dict, started: float) -> RunSummary:
+    """The run's counts, from the output's files and what this run did."""
     summary = RunSummary(output=str(store.path))
     for file in stats:
         summary.add_part(file)
@@ -253,6 +313,11 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     summary.reuse = reused
     summary.seconds = time.time() - started
     summary.recovery = recovery
+    return summary
+
+
+def _commit(config: JobConfig, plan: JobPlan, store: OutputStore, summary: RunSummary) -> dict:
+    """The staged output put in place, with its record. Returns the record."""
     record = scrub_record({"fingerprint": plan.fingerprint,
                            "fingerprint_hash": plan.fingerprint_hash,
                            "rows_total": plan.input.num_rows,
@@ -264,14 +329,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         raise OutputError(f"output.path {str(store.path)!r}: cannot commit the output: "
                           f"{one_line(exc, 300)} (the parts written are kept: "
                           "run the same command again)") from None
-    with stage("writing the run report (the output is committed)"):
-        summary.report = build_report(store.path, record, times=times, samples=samples,
-                                      stats=stats, timings={
-            "started": started, "planned": planned, "ray_ready": ray_ready,
-            **({"reuse_s": reuse_s} if reused is not None else {}),
-            "finished": time.time()})
-        summary.report_path = str(write_report(store.path, summary.report))
-    return summary
+    return record
 
 
 def _rows_to_run(plan: JobPlan, done: set[int], only_rows: dict | None) -> int:
@@ -327,9 +385,9 @@ MAX_SAMPLES = 1000  # the report's throughput-over-time samples, at most about
 
 
 class _Health:
-    """The job's EngineHealth actor (udfs/engines/recovery.py): the replicas' live counts, read every
-    ``every`` seconds into the progress line and the report's samples; its summary of engine
-    deaths once the job ends."""
+    """The job's EngineHealth actor (udfs/engines/recovery.py): the replicas' live counts,
+    read every ``every`` seconds into the progress line and the report's samples; its summary
+    of engine deaths once the job ends."""
 
     def __init__(self, max_restarts: int, progress: Progress, every: float = 1.0):
         import uuid

@@ -1,9 +1,9 @@
 """Reuse: a re-run over a changed table carries over the rows whose request is unchanged.
 
 Every row of a generate job's output holds its request key (``request_key``, made in
-pipelines/reuse/request_key.py). The key is a column, not a sidecar: it travels with the row wherever
-the output is copied (yesterday's snapshot, an object store), and a reader that does not want
-it leaves one column out.
+pipelines/reuse/request_key.py). The key is a column, not a sidecar: it travels with the row
+wherever the output is copied (yesterday's snapshot, an object store), and a reader that does
+not want it leaves one column out.
 
 A run with ``output.reuse`` (or ``output.reuse_from``) finds the new table's keys among the
 earlier output's (``find_reuse``, then pipelines/reuse/find.py: ``plan_reuse``), then stages the
@@ -48,7 +48,8 @@ LARGE_ROWS = 1_000_000
 
 def find_reuse(plan, store, progress):
     """With output.reuse: the earlier output's rows this run's table asks for again (None:
-    no reuse). A resumed reuse run has staged them already: its record says what it found."""
+    no reuse). A resumed reuse run has staged them already: its record says what it found.
+    ``plan``: a JobPlan; ``store``: its OutputStore; ``progress``: the job's Progress."""
     if plan.request_key is None or not (plan.config.output.reuse
                                         or plan.config.output.reuse_from):
         return None
