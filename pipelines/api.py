@@ -15,9 +15,11 @@ import pyarrow.parquet as pq
 
 from pipelines.config import load_config, read_yaml
 from pipelines.errors import ConfigError
-from pipelines.job.pipeline import RunSummary, actor_pool, job_stages, run_job
+from pipelines.job.pipeline import actor_pool, job_stages, run_job
 from pipelines.job.resources import LIGHT_STAGE_CPUS, plan_replicas
-from pipelines.plan.preflight import JobPlan, plan_job
+from pipelines.job.summary import RunSummary
+from pipelines.plan.preflight import plan_job
+from pipelines.plan.specs import JobPlan
 from udfs import columns
 from udfs.stages.chain import chain_named_for
 

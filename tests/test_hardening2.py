@@ -163,7 +163,7 @@ def test_a_filter_a_row_breaks_is_its_error_and_an_empty_array_is_dropped(
     report = json.loads((root / "out.report.json").read_text())
     assert report["rows"]["ok"] == 0 and report["rows"]["dropped"] == 2
     assert report["rows"]["errors"] == 1
-    from pipelines.job.pipeline import RunSummary  # the summary run prints and records agrees
+    from pipelines.job.summary import RunSummary  # the summary run prints and records agrees
     summary = RunSummary(**json.loads((root / "out.overnight.json").read_text())["summary"])
     assert (summary.rows_ok, summary.dropped) == (0, 2)
     assert "(0 ok, 0 skipped, 2 dropped by a step, 1 with errors" in summary.lines()[0]

@@ -161,13 +161,13 @@ def test_a_seeded_job_reuses_a_snapshot_elsewhere_with_its_samples_together(
     rows' samples come over together, from a copy of the output somewhere else
     (output.reuse_from), and the result equals a from-scratch run. Looked up and staged as a
     large table's are, in a Ray task (pipelines/reuse/carry.py: LARGE_ROWS)."""
-    import pipelines.job.pipeline
     import pipelines.reuse.carry
+    import pipelines.reuse.ray_task
 
-    monkeypatch.setattr(pipelines.job.pipeline, "LARGE_ROWS", 0)
+    monkeypatch.setattr(pipelines.reuse.carry, "LARGE_ROWS", 0)
     on_ray = []
-    monkeypatch.setattr(pipelines.job.pipeline, "carry_over_on_ray", lambda *a: on_ray.append(
-        pipelines.reuse.carry.carry_over_on_ray(*a)) or on_ray[-1])
+    monkeypatch.setattr(pipelines.reuse.carry, "carry_over_on_ray", lambda *a: on_ray.append(
+        pipelines.reuse.ray_task.carry_over_on_ray(*a)) or on_ray[-1])
     root = reuse_tables
     seeded = {"input": {"id_column": "sku"},
               "sampling": {"temperature": 0.8, "seed": 5, "max_tokens": 12, "n": 2}}
@@ -540,7 +540,8 @@ def test_the_lookup_tells_input_rows_apart_and_takes_each_earlier_row_once():
     alone; new rows with one key matched to earlier rows by (key, occurrence)."""
     import numpy as np
 
-    from pipelines.reuse.carry import ReusePlan, _input_rows, _join, _Spill
+    from pipelines.reuse.find import ReusePlan
+    from pipelines.reuse.join import _input_rows, _join, _Spill
 
     high, low = np.array([1, 1, 1, 2], np.uint64), np.array([5, 5, 5, 6], np.uint64)
     ids = pa.table({"sku": ["a", "b", "b", "c"], "sample_index": [0, 0, 1, 0]})

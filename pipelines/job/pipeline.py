@@ -9,118 +9,31 @@ import json
 import os
 import threading
 import time
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from contextlib import ExitStack
+from dataclasses import replace
 
 from pipelines.config import JobConfig
 from pipelines.errors import JobError, OutputError, StageError, one_line, root_cause
-from pipelines.plan.preflight import plan_job
-from pipelines.plan.specs import JobPlan
 from pipelines.job.progress import Progress
-from pipelines.read import blocks_at_once, read_dataset
-from pipelines.report.run_report import RunTimes, build_report, write_report
 from pipelines.job.resources import (LIGHT_STAGE_CPUS, ReplicaPlan, check_paths_shared,
                                      plan_replicas, ray_session)
-from pipelines.storage import scrub_record
+from pipelines.job.stage import stage
+from pipelines.job.summary import RunSummary
 from pipelines.job.watchdog import watch
+from pipelines.plan.preflight import plan_job
+from pipelines.plan.specs import JobPlan
+from pipelines.read import blocks_at_once, read_dataset
+from pipelines.report.run_report import RunTimes, build_report, write_report
+from pipelines.reuse.carry import LookUpInRay, find_reuse, stage_reuse
+from pipelines.storage import scrub_record
+from pipelines.write import OutputStore, PartLayout, PartWriter, RetryWriter
 from pipelines.write.compact import compact
-from pipelines.reuse.carry import (LARGE_ROWS, carry_over_on_ray, plan_reuse, reuse_source,
-                             stage_reused, steps_carried)
-from pipelines.write import (OutputStore, PartLayout, PartWriter, RetryWriter, add_steps,
-                             diff_fingerprints)
 from udfs import columns
-from udfs.stages.chain import chain_named_for
-from udfs.columns import ErrorKind
 from udfs.rows.parsers import OutputParser
+from udfs.stages.chain import chain_named_for
 from udfs.stages.pooler import Pooler
 from udfs.stages.predictor import Predictor
 from udfs.stages.steps import StepsPredictor
-
-
-@dataclass
-class RunSummary:
-    rows: int = 0  # output rows: input rows x samples (sampling.n), less any deduped
-    input_rows: int = 0
-    rows_total: int = 0
-    rows_resumed: int = 0  # written by an earlier, interrupted run of the same job
-    rows_reused: int = 0  # carried over from an earlier output (output.reuse)
-    reuse: dict | None = None  # with output.reuse: what was carried over (pipelines/reuse/carry.py)
-    skipped: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    parts: int = 0
-    seconds: float = 0.0
-    output: str = ""
-    structured: bool = False
-    deduped: int | None = None  # with output.dedupe: duplicate samples dropped
-    recovery: dict | None = None  # engine restarts, retried blocks, isolated rows
-    steps: list[dict] | None = None  # a job with steps: each step's counts (rows, tokens)
-    keep_dropped: bool = False  # output.keep_dropped: rows a step dropped are written, not ok
-    report: dict | None = None  # the run report (pipelines/report/run_report.py), once committed
-    report_path: str | None = None
-
-    @property
-    def dropped(self) -> int:
-        """Rows a step dropped that were written (output.keep_dropped): a step's skipped rows
-        are dropped rows too, so they count once, as in the run report."""
-        if not (self.keep_dropped and self.steps):
-            return 0
-        return sum(step.get("dropped", 0) for step in self.steps)
-
-    @property
-    def rows_ok(self) -> int:
-        return self.rows - max(self.skipped, self.dropped) - sum(self.errors.values())
-
-    def add_part(self, record: dict) -> None:
-        self.parts += 1
-        self.input_rows += record["input_rows"]
-        self.rows += record["rows"]
-        self.skipped += record["skipped"]
-        self.prompt_tokens += record["prompt_tokens"]
-        self.completion_tokens += record["completion_tokens"]
-        for kind, n in json.loads(record["errors"]).items():
-            self.errors[kind] = self.errors.get(kind, 0) + n
-        if record.get("steps") is not None:
-            self.steps = add_steps(self.steps or [], record["steps"])
-
-    @property
-    def rows_generated(self) -> int:
-        """Rows the engine generated for (a parse error comes after generation)."""
-        return self.rows_ok + self.errors.get(ErrorKind.PARSE, 0)
-
-    def notes(self) -> list[str]:
-        """What only some jobs have to say: structured-output validity, dedupe, resume."""
-        out = []
-        if self.rows_resumed:
-            out.append(f"resumed: {self.rows_resumed} rows were written by an earlier run")
-        if self.reuse is not None:
-            r = self.reuse
-            out.append(f"reused: {r['reused']} rows carried over from {r['source']}"
-                       f"{steps_carried(r)} "
-                       f"({r['prompt_tokens_saved'] + r['completion_tokens_saved']} tokens "
-                       f"not generated again), {r['generated']} generated, {r['dropped']} "
-                       "earlier rows no longer asked for")
-        if self.structured:
-            valid = self.rows_generated - self.errors.get(ErrorKind.PARSE, 0)
-            out.append(f"structured output: {valid}/{self.rows_generated} valid "
-                       f"({100 * valid / max(self.rows_generated, 1):.1f}%)")
-        if self.deduped is not None:
-            out.append(f"dedupe: {self.deduped} duplicate samples dropped")
-        return out
-
-    def lines(self) -> list[str]:
-        errs = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
-        dropped = f"{self.dropped} dropped by a step, " if self.dropped else ""
-        return [f"rows: {self.rows} written ({self.rows_ok} ok, {self.skipped} skipped, {dropped}"
-                f"{sum(self.errors.values())} with errors: {errs})",
-                *self.notes(),
-                f"tokens: {self.prompt_tokens} in, {self.completion_tokens} out",
-                f"time: {self.seconds:.1f} s; output: {self.output}"]
-
-    def counts(self) -> dict:
-        """The numbers kept in the job record."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("report", "report_path")}
 
 
 def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int],
@@ -139,7 +52,7 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
                                       slots=replicas.replicas * at_once)
     if ds is None:
         return None
-    stage, after = job_stages(plan, replicas, health, staged_steps=(
+    engine_stage, after = job_stages(plan, replicas, health, staged_steps=(
         # a re-run that reuses an earlier output's first steps: their rows, staged
         {"states": str(layout.staging), "from_step": from_step,
          "block_starts": layout.block_starts} if from_step is not None else None))
@@ -150,7 +63,7 @@ def build_dataset(plan: JobPlan, layout: PartLayout, skip_blocks: frozenset[int]
     writer = (RetryWriter if retry else PartWriter, {"layout": layout})
     if retry:
         after.append(writer)
-    engine_stages = [stage] if after else [stage, writer]
+    engine_stages = [engine_stage] if after else [engine_stage, writer]
     ds = ds.map_batches(chain_named_for(engine_stages),
                         # Ray Data's blocks, cut back into the plan's blocks in the actor, as
                         # many at once as the engine takes; a block may come in pieces, each
@@ -234,48 +147,95 @@ def run_job(config: JobConfig, *, overwrite: bool = False, retry_errors: bool = 
 def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
              progress: Progress | None, verbose: bool, session: ExitStack) -> RunSummary:
     started = time.time()
+    _refuse_flags(config, retry_errors)
+    with stage("planning the job"):  # every stage's unforeseen failure: one line
+        plan = plan_job(config)
+    planned = time.time()
+    store = OutputStore(config.output.path)
+    if not retry_errors and (record := store.interrupted_commit(plan.fingerprint)):
+        return _finish_commit(store, record)
+    progress = progress or Progress(total=0, enabled=False)
+    reuse_started = time.time()
+    reusing = find_reuse(plan, store, progress) if not retry_errors else None
+    reuse_s = time.time() - reuse_started
+    # a reuse run replaces the output it reuses (at its commit, as any run does)
+    done, only_rows, todo = _open_output(config, plan, store, retry_errors,
+                                         overwrite=overwrite or reusing is not None)
+    layout = _part_layout(config, plan, store, only_rows, retry_errors)
+    reused = None
+    if reusing is not None:  # the rows found, staged as parts before any engine starts
+        staging_started = time.time()
+        if isinstance(reusing, LookUpInRay):  # Ray now, for the task (and the job after)
+            session.enter_context(ray_session(config.resources.address, verbose=verbose))
+        with stage("staging the reused rows"):
+            reused = stage_reuse(plan, store, reusing, layout, done, progress)
+        reuse_s += time.time() - staging_started
+        done = store.resume(layout.block_starts, plan.input.num_rows)
+        only_rows = store.remaining or None
+        todo = _rows_to_run(plan, done, only_rows)
+    _start_progress(config, plan, store, progress, todo, retry_errors)
+    times = RunTimes(started)  # this run's part records, added up: replicas, times
+    with ray_session(config.resources.address, verbose=verbose):
+        ray_ready = time.time()
+        recovery, samples = _generate(config, plan, store, layout, done, only_rows, progress,
+                                      times, retry_errors=retry_errors, verbose=verbose,
+                                      from_step=(reused or {}).get("from_step"))
+        stats = _compact(config, plan, store, layout)
+    summary = _summarize(config, plan, store, stats, todo, reused, recovery, started)
+    record = _commit(config, plan, store, summary)
+    with stage("writing the run report (the output is committed)"):
+        summary.report = build_report(store.path, record, times=times, samples=samples,
+                                      stats=stats, timings={
+            "started": started, "planned": planned, "ray_ready": ray_ready,
+            **({"reuse_s": reuse_s} if reused is not None else {}),
+            "finished": time.time()})
+        summary.report_path = str(write_report(store.path, summary.report))
+    return summary
+
+
+def _refuse_flags(config: JobConfig, retry_errors: bool) -> None:
+    """--retry-errors where it does not apply: one line, before anything is planned."""
     if retry_errors and config.steps is not None:
         raise JobError("--retry-errors does not apply to a job with steps yet (a row's steps "
                        "run together); run the job again with --overwrite")
     if retry_errors and (config.output.reuse or config.output.reuse_from):
         raise JobError("--retry-errors and output.reuse do not go together: a reuse run "
                        "generates the rows that failed before anyway; drop one")
-    with stage("planning the job"):  # every stage's unforeseen failure: one line
-        plan = plan_job(config)
-    planned = time.time()
-    store = OutputStore(config.output.path)
+
+
+def _open_output(config: JobConfig, plan: JobPlan, store: OutputStore, retry_errors: bool,
+                 overwrite: bool) -> tuple[set[int], dict | None, int]:
+    """The output opened for this run: the blocks done already, of the others the rows still
+    to run where not all (None: all), and the input rows this run generates."""
     key_column = config.input.id_column or columns.ROW_ID
     block_starts = tuple(b.ordinal for b in plan.input.blocks)
-    if not retry_errors and (record := store.interrupted_commit(plan.fingerprint)):
-        return _finish_commit(store, record)
-    progress = progress or Progress(total=0, enabled=False)
-    reuse_started = time.time()
-    reusing = _plan_reuse(plan, store, progress) if not retry_errors else None
-    reuse_s = time.time() - reuse_started
     try:
         if retry_errors:
             only_rows, done = store.open_retry(plan.fingerprint, key_column, block_starts,
                                                plan.input.num_rows), set()
-            todo = sum(len(rows) for rows in only_rows.values())
-        else:
-            # a reuse run replaces the output it reuses (at its commit, as any run does)
-            done = store.open(plan.fingerprint, overwrite=overwrite or reusing is not None,
-                              rows_total=plan.input.num_rows, block_starts=block_starts)
-            # of blocks written in part by an interrupted run, only the rows still to run
-            only_rows = store.remaining or None
-            todo = _rows_to_run(plan, done, only_rows)
+            return done, only_rows, sum(len(rows) for rows in only_rows.values())
+        done = store.open(plan.fingerprint, overwrite=overwrite,
+                          rows_total=plan.input.num_rows, block_starts=block_starts)
+        # of blocks written in part by an interrupted run, only the rows still to run
+        only_rows = store.remaining or None
+        return done, only_rows, _rows_to_run(plan, done, only_rows)
     except OSError as exc:  # permissions, a full disk, an object store refusing
         raise OutputError(f"output.path {str(store.path)!r}: cannot write there: "
                           f"{one_line(exc, 300)}") from None
-    layout = PartLayout(
+
+
+def _part_layout(config: JobConfig, plan: JobPlan, store: OutputStore,
+                 only_rows: dict | None, retry_errors: bool) -> PartLayout:
+    """Where and how the writers put this run's parts."""
+    return PartLayout(
         staging=store.staging,
         source_columns=tuple(plan.input.schema.names),
         added_columns=tuple(plan.config.generated_columns()),  # with a classifier's labels
-        block_starts=block_starts,
+        block_starts=tuple(b.ordinal for b in plan.input.blocks),
         block_rows=tuple(len(only_rows.get(b.ordinal, ())) if retry_errors else b.num_rows
                          for b in plan.input.blocks),
         merge_from=store.path if retry_errors else None,
-        key_column=key_column,
+        key_column=config.input.id_column or columns.ROW_ID,
         text_column=config.output.column,
         dedupe=config.output.dedupe,
         rows_total=plan.input.num_rows,
@@ -283,59 +243,67 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         metadata=((columns.JOB_METADATA, json.dumps(job_metadata(plan)).encode()),),
         request_key=plan.request_key,
     )
-    reused = None
-    if reusing is not None:  # the rows found, staged as parts before any engine starts
-        staging_started = time.time()
-        if isinstance(reusing, _LookUpInRay):  # Ray now, for the task (and the job after)
-            session.enter_context(ray_session(config.resources.address, verbose=verbose))
-        with stage("staging the reused rows"):
-            reused = _stage_reuse(plan, store, reusing, layout, done, progress)
-        reuse_s += time.time() - staging_started
-        done = store.resume(block_starts, plan.input.num_rows)
-        only_rows = store.remaining or None
-        todo = _rows_to_run(plan, done, only_rows)
+
+
+def _start_progress(config: JobConfig, plan: JobPlan, store: OutputStore, progress: Progress,
+                    todo: int, retry_errors: bool) -> None:
+    """The progress line's totals: this run's rows, and those an earlier run wrote."""
     already = 0 if retry_errors else plan.input.num_rows - todo
     progress.total = todo + already
     progress.requests_total = todo * requests_per_row(config)
     progress.start(str(store.path), already=already)
-    times = RunTimes(started)  # this run's part records, added up: replicas, times
-    with ray_session(config.resources.address, verbose=verbose):
-        ray_ready = time.time()
-        # object stores are shared by nature; local paths must be seen by every node
-        check_paths_shared([os.path.abspath(loc.path) for loc in (*plan.input.files,
-                                                                   store.staging) if loc.local])
-        _quiet_ray_data(verbose)
-        health = _Health(plan.config.engine.max_restarts, progress)
-        ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name,
-                           others=not retry_errors,
-                           from_step=(reused or {}).get("from_step"))
-        try:
-            # watch(): a job that writes nothing for a while says what it waits for
-            for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),
-                               config) if ds else ():
-                for record in batch.to_pylist():
-                    times.add(record)
-                    by_kind = json.loads(record["errors"])
-                    progress.update(record["input_rows"], record["completion_tokens"],
-                                    sum(by_kind.values()), by_kind, record["prompt_tokens"])
-        except Exception as exc:  # an engine that would not start or died; a failed write
-            progress.finish()
-            health.close()
-            raise StageError(f"the job stopped: {root_cause(exc)} (the parts written are "
-                             "kept, and the same command resumes from them; --debug shows "
-                             "the traceback)") from exc
-        recovery = health.close()
-        samples = health.samples
+
+
+def _generate(config: JobConfig, plan: JobPlan, store: OutputStore, layout: PartLayout,
+              done: set[int], only_rows: dict | None, progress: Progress, times: RunTimes, *,
+              retry_errors: bool, verbose: bool, from_step: int | None) -> tuple[dict, list]:
+    """The rows still to do through the engines and writers, in the Ray session; each part's
+    record counted as it comes. Returns the engines' recovery summary and the throughput
+    samples."""
+    # object stores are shared by nature; local paths must be seen by every node
+    check_paths_shared([os.path.abspath(loc.path) for loc in (*plan.input.files,
+                                                               store.staging) if loc.local])
+    _quiet_ray_data(verbose)
+    health = _Health(plan.config.engine.max_restarts, progress)
+    ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name,
+                       others=not retry_errors, from_step=from_step)
+    try:
+        # watch(): a job that writes nothing for a while says what it waits for
+        for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),
+                           config) if ds else ():
+            for record in batch.to_pylist():
+                times.add(record)
+                by_kind = json.loads(record["errors"])
+                progress.update(record["input_rows"], record["completion_tokens"],
+                                sum(by_kind.values()), by_kind, record["prompt_tokens"])
+    except Exception as exc:  # an engine that would not start or died; a failed write
         progress.finish()
-        written = store.done_blocks(block_starts, plan.input.num_rows)
-        missing = [start for start in block_starts if start not in written]
-        if missing:  # never commit an output with a hole in it
-            raise JobError(f"{len(missing)} block(s) were not written (first: rows from "
-                           f"{missing[0]}); the parts written are kept: run again to resume")
-        # the parts into files of output.file_size_mb, on the cluster (pipelines/write/compact.py)
-        with stage("compacting the parts", kept=True):
-            stats = compact(store.staging, block_starts, plan.input.num_rows,
-                            int(config.output.file_size_mb * (1 << 20)), key_column)
+        health.close()
+        raise StageError(f"the job stopped: {root_cause(exc)} (the parts written are "
+                         "kept, and the same command resumes from them; --debug shows "
+                         "the traceback)") from exc
+    recovery = health.close()
+    progress.finish()
+    return recovery, health.samples
+
+
+def _compact(config: JobConfig, plan: JobPlan, store: OutputStore, layout: PartLayout) -> list:
+    """Every block written, the parts into files of output.file_size_mb, on the cluster
+    (pipelines/write/compact.py). Returns each file's counts."""
+    block_starts = layout.block_starts
+    written = store.done_blocks(block_starts, plan.input.num_rows)
+    missing = [start for start in block_starts if start not in written]
+    if missing:  # never commit an output with a hole in it
+        raise JobError(f"{len(missing)} block(s) were not written (first: rows from "
+                       f"{missing[0]}); the parts written are kept: run again to resume")
+    with stage("compacting the parts", kept=True):
+        return compact(store.staging, block_starts, plan.input.num_rows,
+                       int(config.output.file_size_mb * (1 << 20)), layout.key_column)
+
+
+def _summarize(config: JobConfig, plan: JobPlan, store: OutputStore, stats: list, todo: int,
+               reused: dict | None, recovery: dict, started: float) -> RunSummary:
+    """The run's counts, from the output's files and what this run did."""
     summary = RunSummary(output=str(store.path))
     for file in stats:
         summary.add_part(file)
@@ -351,6 +319,11 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
     summary.reuse = reused
     summary.seconds = time.time() - started
     summary.recovery = recovery
+    return summary
+
+
+def _commit(config: JobConfig, plan: JobPlan, store: OutputStore, summary: RunSummary) -> dict:
+    """The staged output put in place, with its record. Returns the record."""
     record = scrub_record({"fingerprint": plan.fingerprint,
                            "fingerprint_hash": plan.fingerprint_hash,
                            "rows_total": plan.input.num_rows,
@@ -362,14 +335,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         raise OutputError(f"output.path {str(store.path)!r}: cannot commit the output: "
                           f"{one_line(exc, 300)} (the parts written are kept: "
                           "run the same command again)") from None
-    with stage("writing the run report (the output is committed)"):
-        summary.report = build_report(store.path, record, times=times, samples=samples,
-                                      stats=stats, timings={
-            "started": started, "planned": planned, "ray_ready": ray_ready,
-            **({"reuse_s": reuse_s} if reused is not None else {}),
-            "finished": time.time()})
-        summary.report_path = str(write_report(store.path, summary.report))
-    return summary
+    return record
 
 
 def _rows_to_run(plan: JobPlan, done: set[int], only_rows: dict | None) -> int:
@@ -378,19 +344,6 @@ def _rows_to_run(plan: JobPlan, done: set[int], only_rows: dict | None) -> int:
                else b.num_rows for b in plan.input.blocks if b.ordinal not in done)
 
 
-@contextmanager
-def stage(what: str, kept: bool = False):
-    """A stage of ``run_job`` whose unforeseen failure (a corrupt part, a full disk, a bug)
-    stops the job in one line, as a user's mistake does; --debug shows the traceback."""
-    try:
-        yield
-    except JobError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the boundary: whatever it was, one line
-        kept_note = ("the parts written are kept: fix the cause and run the same command "
-                     "again; " if kept else "")
-        raise StageError(f"{what} failed: {root_cause(exc)} ({kept_note}--debug shows the "
-                         "traceback)") from exc
 
 
 def _finish_commit(store: OutputStore, record: dict) -> RunSummary:
@@ -432,63 +385,15 @@ def job_metadata(plan: JobPlan) -> dict:
     return meta
 
 
-def _plan_reuse(plan: JobPlan, store: OutputStore, progress: Progress):
-    """With output.reuse: the earlier output's rows this run's table asks for again (None:
-    no reuse). A resumed reuse run has staged them already: its record says what it found."""
-    if plan.request_key is None or not (plan.config.output.reuse
-                                        or plan.config.output.reuse_from):
-        return None
-    record = store.read_record() or {}
-    if (record.get("state") == "running" and store.staging.exists()
-            and record.get("reuse") and not diff_fingerprints(record.get("fingerprint", {}),
-                                                              plan.fingerprint)):
-        return record["reuse"]  # staged before it stopped
-    source = reuse_source(plan.config)
-    if source is None:
-        progress.say(f"reuse: no earlier output at {plan.config.output.path} yet; every row "
-                     "is generated")
-        return None
-    if plan.input.num_rows >= LARGE_ROWS:
-        return _LookUpInRay(source)  # found and staged in one Ray task: _stage_reuse
-    with stage("finding the rows to reuse"):
-        found = plan_reuse(plan, source)
-    progress.say(found.line())
-    return found
-
-
-@dataclass
-class _LookUpInRay:
-    """A large table's rows to reuse: looked up and staged in a Ray task, not the driver."""
-
-    source: object  # a Location
-
-
-def _stage_reuse(plan: JobPlan, store: OutputStore, found, layout: PartLayout,
-                 done: set[int], progress: Progress) -> dict:
-    """The rows found, written as parts; the record says so, so that a resumed run does not
-    look for them again."""
-    if isinstance(found, dict):  # a resumed run's: staged already
-        return found
-    if isinstance(found, _LookUpInRay):
-        record, saved, line = carry_over_on_ray(plan, found.source, layout, done)
-        progress.say(line)
-    else:
-        record, saved = found.record(), stage_reused(plan, found, layout, done)
-    reused = {**record, "reused": saved["rows"],
-              "generated": plan.input.num_rows - saved["rows"],
-              "prompt_tokens_saved": saved["prompt_tokens"],
-              "completion_tokens_saved": saved["completion_tokens"]}
-    store.write_record({**(store.read_record() or {}), "reuse": reused})
-    return reused
 
 
 MAX_SAMPLES = 1000  # the report's throughput-over-time samples, at most about
 
 
 class _Health:
-    """The job's EngineHealth actor (udfs/engines/recovery.py): the replicas' live counts, read every
-    ``every`` seconds into the progress line and the report's samples; its summary of engine
-    deaths once the job ends."""
+    """The job's EngineHealth actor (udfs/engines/recovery.py): the replicas' live counts,
+    read every ``every`` seconds into the progress line and the report's samples; its summary
+    of engine deaths once the job ends."""
 
     def __init__(self, max_restarts: int, progress: Progress, every: float = 1.0):
         import uuid

@@ -133,7 +133,7 @@ def validate_job(config: JobConfig) -> ValidationReport:
 
 def _reuse_line(plan: JobPlan) -> str | None:
     """With output.reuse: how many rows the run would carry over (pipelines/reuse/carry.py)."""
-    from pipelines.reuse.carry import plan_reuse, reuse_source
+    from pipelines.reuse.find import plan_reuse, reuse_source
 
     c = plan.config
     if plan.request_key is None or not (c.output.reuse or c.output.reuse_from):

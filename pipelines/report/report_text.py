@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pipelines.reuse.carry import steps_carried
+from pipelines.reuse.find import steps_carried
 
 
 def report_lines(report: dict) -> list[str]:

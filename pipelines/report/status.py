@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from pipelines.errors import OutputError
-from pipelines.job.pipeline import RunSummary
+from pipelines.job.summary import RunSummary
 from pipelines.write import OutputStore, list_parts, summarize_part
 from udfs import columns
 

@@ -32,7 +32,7 @@ tokens, and a row whose thinking used the step's budget is that step's ``no_answ
 The job-level columns hold each row's totals. Every request's seed derives from the job's
 seed, the step and the row's place in the fan-out, so a resumed or re-run job generates the
 same rows. A re-run that reuses an earlier output whose first steps are unchanged
-(pipelines/reuse/carry.py) hands a block's rows their state after those steps (``STATES``): such a
+(pipelines/reuse/staging.py) hands a block's rows their state after those steps (``STATES``): such a
 row goes on from the first changed step, with the seed keys and totals those steps left.
 """
 
@@ -90,7 +90,7 @@ class StepsPredictor:
         self.steps = steps
         self.key_column = key_column
         self.keep_dropped = keep_dropped
-        # a re-run reusing an earlier output's first steps (pipelines/reuse/carry.py): the folder of
+        # a re-run reusing an earlier output's first steps (pipelines/reuse/staging.py): the folder of
         # the blocks' carried rows (STATES, a file a block, named by the block's first row),
         # and the step they go on from
         self.states, self.from_step, self.block_starts = states, from_step, list(block_starts)
@@ -350,7 +350,7 @@ def _add_counts(a: dict | None, b: dict | None) -> dict:
     return {k: a[k] + b[k] if isinstance(a[k], (int, float)) else a[k] for k in a}
 
 
-STATES = ".reuse-state-{:012d}.parquet"  # a block's carried rows, in staging (pipelines/reuse/carry.py)
+STATES = ".reuse-state-{:012d}.parquet"  # a block's carried rows, in staging (pipelines/reuse/staging.py)
 
 
 def step_types(step: StepSpec, index: bool = True) -> dict[str, pa.DataType]:
