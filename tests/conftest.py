@@ -6,6 +6,7 @@ assert on their output, so the suite pays for each engine start once.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -31,9 +32,10 @@ KV_CACHE = 128 << 20
 # workers together; handed out in another order, a long file started last runs on alone.
 # The files whose tests take minutes, longest first, from `make test --durations` (2026-12-07);
 # every other file follows in its usual order.
-LONGEST_FILES = ("test_reuse.py", "test_serve.py", "test_recovery.py", "test_notebooks.py",
-                 "test_resume.py", "test_scale_out.py", "test_steps.py", "test_http_engine.py",
-                 "test_quality.py", "test_images.py", "test_adapters.py")
+LONGEST_FILES = ("test_reuse.py", "test_serve_restarts.py", "test_recovery.py",
+                 "test_notebooks.py", "test_resume.py", "test_scale_out.py", "test_steps.py",
+                 "test_serve_batches.py", "test_http_engine.py", "test_quality.py",
+                 "test_images.py", "test_adapters.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -118,7 +120,7 @@ def minilm() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "model")
 
 
-# --- the browser tests (tests/test_view.py, tests/test_serve.py) ---------------------------
+# --- the browser tests (tests/test_view.py, tests/test_serve_api.py) ---------------------------
 
 @pytest.fixture(scope="module")
 def browser():
@@ -159,3 +161,68 @@ def table_rows(browser):
     return browser.execute_script(
         "return [...document.querySelectorAll('#table tbody tr')]"
         ".map(tr => [...tr.cells].map(td => td.textContent))")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """``overnight serve`` (tests/servers.py: Server) shared by a module's tests: two batches may
+    run at once."""
+    from servers import Server  # servers.py takes its constants from here
+
+    server = Server(tmp_path_factory.mktemp("serve"), tiny_model, "--max-running-batches", "2")
+    server.start()
+    yield server
+    server.stop()
+
+
+# --- a job driven through the CLI, as a user runs it ------------------------------------------
+
+def cli(*args, capsys=None) -> tuple[int, str, str]:
+    """``overnight ARGS`` in this process: (exit status, stdout, stderr); with ``capsys`` its
+    output, else two empty strings."""
+    from pipelines.cli import main
+
+    code = main([*map(str, args)])
+    if capsys is None:
+        return code, "", ""
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line_error(err: str, *needles: str) -> str:
+    """A user's mistake: stderr is one ``overnight: error:`` line holding each needle."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("overnight: error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+OVERRIDE_ROWS = 12
+BAD_OVERRIDES = {  # row -> (the override, what its error must name)
+    0: ('{"n": 0}', "n:"),
+    1: ('{"temperature": null}', "temperature:"),
+    2: ("not json", "not a JSON object"),
+    3: ("[1, 2]", "must be a JSON object"),
+    4: ('{"temperature": 3}', "temperature:"),
+    5: ('{"top_p": 1.5}', "top_p:"),
+}
+
+
+def override_rows() -> list[dict]:
+    """Lamps by sku, each with a row's sampling overrides (``opts``: six bad, one of three
+    samples), a column that is ``{}`` in every row, and a key the first row lacks."""
+    out = []
+    for i in range(OVERRIDE_ROWS):
+        row = {"sku": f"K{i:02d}", "title": f"Lamp {i}", "description": f"light number {i}",
+               "meta": {}, "opts": BAD_OVERRIDES.get(i, (None,))[0]}
+        if i == 6:
+            row["opts"] = '{"n": 3, "temperature": 0.9, "seed": 5}'
+        if i % 4 == 3:  # a key the first row does not have
+            row["notes"] = f"keep me {i}"
+        out.append(row)
+    return out

@@ -1,5 +1,6 @@
 """Real servers for the tests, on loopback: ``vllm serve`` with the tiny model, moto's S3
-server, and a stub that answers 429 a few times before passing requests through to it."""
+server, a stub that answers 429 a few times before passing requests through to it, and
+``overnight serve`` itself with the client calls its tests share."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import socket
 import subprocess
 import sys
 import threading
+import json
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
+import openai
+
+from conftest import KV_CACHE, REPO
 
 
 def free_port() -> int:
@@ -136,3 +142,118 @@ class TooManyRequestsStub:
 
     def close(self) -> None:
         self.server.shutdown()
+
+
+# -- `overnight serve` as a child process, and what its tests ask of it ---------------------
+
+KEY, OTHER_KEY = "sk-overnight-test-first", "sk-overnight-test-second"
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+FAST = 20_000
+
+
+def request(custom_id: str, content: str, max_tokens: int, url="/v1/chat/completions"):
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": "gpt-4o-mini", "max_tokens": max_tokens, "temperature": 0,
+                     "messages": [{"role": "user", "content": content}]}}
+
+
+def request_file(path: Path, count: int, max_tokens: int, prefix: str) -> Path:
+    path.write_text("".join(json.dumps(request(f"{prefix}-{i}", f"Say something about {i}.",
+                                               max_tokens)) + "\n" for i in range(count)))
+    return path
+
+
+def long_file(path: Path, prefix: str, tail: int, tail_tokens: int) -> Path:
+    """FAST requests of one token, then ``tail`` of ``tail_tokens``. A batch file's job commits
+    its parts a read unit (16,384 rows or more, to the end of a 10,000-row group) at a time, so
+    the counts move, and a batch can be stopped, between the fast head and the slow tail."""
+    path.write_text("".join(
+        json.dumps(request(f"{prefix}-{i}", str(i), 1 if i < FAST else tail_tokens)) + "\n"
+        for i in range(FAST + tail)))
+    return path
+
+
+class Server:
+    """``overnight serve`` as a child process, on a free port; started again on the same
+    data directory and port after a kill."""
+
+    def __init__(self, root: Path, tiny_model: str, *args: str):
+        self.root, self.port, self.args = root, free_port(), list(args)
+        (root / "keys.txt").write_text(f"# test keys\n{KEY}\n{OTHER_KEY}\n")
+        # what a batch needs on this machine (see tests/test_batch.py); blocks of 512 rows
+        (root / "job.yaml").write_text(json.dumps({
+            "model": {"name": tiny_model, "dtype": "float32", "max_model_len": 512},
+            "engine": {"kv_cache_memory_bytes": KV_CACHE}, "resources": {"batch_size": 512}}))
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.root / "server.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.cli", "serve", "--config",
+             str(self.root / "job.yaml"), "--data-dir", str(self.root / "data"), "--port",
+             str(self.port), "--api-keys-file", str(self.root / "keys.txt"),
+             "--max-upload-mb", "8", *self.args], cwd=REPO, stdout=log,
+            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300  # the resident engine loads first
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                httpx.get(f"{self.base_url}/files", timeout=2,
+                          headers={"Authorization": f"Bearer {KEY}"}).raise_for_status()
+                return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise AssertionError(f"the server did not answer in 300 s\n{self.log()}")
+
+    def kill(self) -> None:
+        self.proc.kill()  # SIGKILL: no clean-up of any kind
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+    def log(self) -> str:
+        return (self.root / "server.log").read_text(errors="replace")[-3000:]
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0)
+
+
+def wait(client: openai.OpenAI, batch_id: str, until=TERMINAL, timeout: float = 300):
+    """Poll a batch until its status is one of ``until``; returns every object seen."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen.append(client.batches.retrieve(batch_id))
+        if seen[-1].status in until:
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {seen[-1].status} after {timeout} s")
+
+
+def some_done(client: openai.OpenAI, batch_id: str, timeout: float = 300):
+    """Poll a batch until some of its requests are done (it must still be running)."""
+    deadline = time.monotonic() + timeout
+    while (batch := client.batches.retrieve(batch_id)).request_counts.completed == 0:
+        assert batch.status in ("validating", "in_progress"), batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    return batch
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    # JSON Lines end at "\n" only: a generated text may hold U+2028 or U+0085, which
+    # str.splitlines() would also split at
+    return [json.loads(line) for line in client.files.content(file_id).text.split("\n")
+            if line]
+
+
+def error_of(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]

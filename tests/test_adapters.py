@@ -337,7 +337,7 @@ def test_overnight_serve_runs_a_batch_on_the_adapter_its_model_names(
         tiny_model, adapters, lora_job, tmp_path):
     """The server's config declares the adapters; a batch whose requests name one by model
     runs on it, as the table job's rows on that adapter."""
-    from test_serve import KEY, Server, wait
+    from servers import KEY, Server, wait
 
     _, _, out = lora_job
     server = Server(tmp_path, tiny_model)

@@ -1,11 +1,7 @@
-"""Defects found in review (issue #23), each pinned where a user meets it: through the CLI, on
-real files, with the real engine where a job must run.
-
-One job runs for most of them (``hardened``): sparse JSONL keys, a column that is ``{}`` in
-every row, per-row overrides good and bad, two samples a row with dedupe. The tests after it
-re-run that job the ways a user would: --retry-errors, a resume of an interrupted
---overwrite run, an interrupted retry.
-"""
+"""One job (``hardened``: sparse JSONL keys, a column that is ``{}`` in every row, per-row
+overrides good and bad, two samples a row with dedupe) run again the ways a user would:
+``--retry-errors``, a resume of an interrupted ``--overwrite`` run, an interrupted retry, an
+output behind a symlink; and what its report, its rows and its fingerprint say."""
 
 from __future__ import annotations
 
@@ -17,52 +13,14 @@ import polars as pl
 import pytest
 import yaml
 
-from pipelines.cli import main
 from pipelines.config import load_config
 from pipelines.plan.preflight import plan_job
 from pipelines.write import OutputStore, part_name
 from udfs.columns import ErrorKind
 
-from conftest import job_config
-
-ROWS = 12
-BAD_OVERRIDES = {  # row -> (the override, what its error must name)
-    0: ('{"n": 0}', "n:"),
-    1: ('{"temperature": null}', "temperature:"),
-    2: ("not json", "not a JSON object"),
-    3: ("[1, 2]", "must be a JSON object"),
-    4: ('{"temperature": 3}', "temperature:"),
-    5: ('{"top_p": 1.5}', "top_p:"),
-}
-
-
-def rows() -> list[dict]:
-    out = []
-    for i in range(ROWS):
-        row = {"sku": f"K{i:02d}", "title": f"Lamp {i}", "description": f"light number {i}",
-               "meta": {}, "opts": BAD_OVERRIDES.get(i, (None,))[0]}
-        if i == 6:
-            row["opts"] = '{"n": 3, "temperature": 0.9, "seed": 5}'
-        if i % 4 == 3:  # a key the first row does not have
-            row["notes"] = f"keep me {i}"
-        out.append(row)
-    return out
-
-
-def cli(*args, capsys=None) -> tuple[int, str, str]:
-    code = main([*map(str, args)])
-    if capsys is None:
-        return code, "", ""
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_line_error(err: str, *needles: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("overnight: error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+from conftest import BAD_OVERRIDES, cli, job_config
+from conftest import OVERRIDE_ROWS as ROWS
+from conftest import override_rows as rows
 
 
 @pytest.fixture(scope="session")
@@ -191,124 +149,6 @@ def test_a_symlinked_output_is_replaced_through_the_link(hardened, tmp_path, cap
     assert not (real / "stale.parquet").exists()
     assert pl.read_parquet(real).equals(before)
     assert OutputStore(str(link)).read_record()["state"] == "complete"
-
-
-# -- refused before any engine starts: one line, exit 2
-
-
-@pytest.fixture
-def job_file(tiny_model, tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()[:4]))
-
-    def write(input_path=data, output=tmp_path / "out", **sections) -> object:
-        config = job_config(tiny_model, input_path, output, input={"id_column": "sku"})
-        for name, value in sections.items():  # an http engine replaces the vllm one
-            config[name] = value if name == "engine" else {**config.get(name, {}), **value}
-        path = tmp_path / "job.yaml"
-        path.write_text(yaml.safe_dump(config))
-        return path
-
-    return tmp_path, data, write
-
-
-@pytest.mark.parametrize("where", ["same", "inside", "file"])
-def test_an_output_that_overlaps_the_input_is_refused_and_the_input_kept(job_file, capsys,
-                                                                          where):
-    root, data, write = job_file
-    output = {"same": data, "inside": data / "out", "file": data / "a.jsonl"}[where]
-    code, _, err = cli("run", write(output=output), "--overwrite", capsys=capsys)
-    assert code == 2
-    one_line_error(err, "overlaps the input")
-    assert (data / "a.jsonl").read_text().count("\n") == 4
-
-
-def test_hidden_and_underscore_folders_are_not_read(job_file, capsys):
-    root, data, write = job_file
-    for hidden in (".ipynb_checkpoints", "_temporary"):
-        (data / hidden).mkdir()
-        (data / hidden / "a.jsonl").write_text("{broken\n")
-    code, out, err = cli("validate", write(), capsys=capsys)
-    assert code == 0, err
-    assert "4 rows" in out
-
-
-@pytest.mark.parametrize("lines, needles", [
-    ('{"sku": "A", "title": "t", "description": "d", "n": 18446744073709551616}\n',
-     ["a.jsonl:1", "column 'n'", "64-bit integer"]),
-    ('{"sku": "A", "title": "t", "description": "d"}\n\u00a0\n', ["a.jsonl:2", "not valid JSON"]),
-])
-def test_input_values_arrow_cannot_hold_are_one_line_naming_file_and_line(job_file, capsys,
-                                                                          lines, needles):
-    root, data, write = job_file
-    (data / "a.jsonl").write_text(lines, encoding="utf-8")
-    code, _, err = cli("validate", write(), capsys=capsys)
-    assert code == 2
-    one_line_error(err, *needles)
-
-
-@pytest.mark.parametrize("setting, needle", [
-    ("sampling.temperature=3", "sampling.temperature"),
-    ("sampling.top_p=1.5", "sampling.top_p"),
-])
-def test_out_of_range_sampling_is_refused_by_validate(job_file, capsys, setting, needle):
-    _, _, write = job_file
-    code, _, err = cli("validate", write(), "--set", setting, capsys=capsys)
-    assert code == 2
-    one_line_error(err, needle)
-
-
-def test_truncating_chat_messages_for_a_server_is_refused(job_file, capsys):
-    _, _, write = job_file
-    path = write(prompt={"on_too_long": "truncate"},
-                 engine={"kind": "http", "base_url": "http://127.0.0.1:9/v1",
-                         "endpoint": "chat"})
-    code, _, err = cli("validate", path, capsys=capsys)
-    assert code == 2
-    one_line_error(err, "truncate", "endpoint")
-
-
-@pytest.mark.parametrize("column, value, needle", [
-    ("opts", 7, "overrides_column 'opts' is int64"),
-    ("cap", "ten", "max_tokens_column 'cap' is string"),
-])
-def test_a_sampling_column_of_the_wrong_type_is_refused(job_file, capsys, column, value,
-                                                        needle):
-    _, data, write = job_file
-    rows_ = [{**r, column: value} for r in rows()[:4]]
-    (data / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
-    key = "overrides_column" if column == "opts" else "max_tokens_column"
-    code, _, err = cli("validate", write(sampling={key: column}), capsys=capsys)
-    assert code == 2
-    one_line_error(err, needle)
-
-
-# -- secrets never printed
-
-
-@pytest.mark.parametrize("path, secrets", [
-    ("s3://AKIAEXAMPLE:se/cr+et@bucket/in.parquet", ["AKIAEXAMPLE", "se/cr", "cr+et"]),
-    ("https://user:pw-hunter2@127.0.0.1:9/a.jsonl", ["pw-hunter2"]),
-    ("s3://bucket/in/*.jsonl?access_key=AKIAQ&secret_key=zz-top", ["AKIAQ", "zz-top"]),
-])
-def test_credentials_in_an_input_path_are_never_printed(job_file, capsys, path, secrets):
-    _, _, write = job_file
-    code, _, err = cli("validate", write(input_path=path), capsys=capsys)
-    assert code == 2
-    line = one_line_error(err)
-    assert not any(s in line for s in secrets), line
-
-
-def test_an_api_key_with_a_trailing_newline_is_not_printed(job_file, capsys, monkeypatch):
-    _, _, write = job_file
-    monkeypatch.setenv("OVERNIGHT_TEST_KEY", "sk-newline-secret-7\n")
-    path = write(engine={"kind": "http", "base_url": "http://u:pw-x9@127.0.0.1:9/v1",
-                         "api_key_env": "OVERNIGHT_TEST_KEY"})
-    code, _, err = cli("validate", path, capsys=capsys)
-    assert code == 2
-    line = one_line_error(err, "cannot reach the server")
-    assert "sk-newline-secret-7" not in line and "pw-x9" not in line
 
 
 def test_engine_settings_that_change_results_are_in_the_fingerprint(hardened):

@@ -1,6 +1,8 @@
-"""Defects found in review (issue #46, "Hardening II"), each pinned where a user meets it: a
-config, an input or a template that ``overnight validate`` refuses in one line (or reads), and
-the steps of a job, unit by unit where an engine start would only repeat what is tested."""
+"""What ``overnight validate`` (and every run's pre-flight) refuses in one line before any engine
+starts, or reads: outputs that overlap their input, hidden folders, values Arrow cannot hold,
+sampling out of range, replicas, engine arguments, nulls in nested values, step filters, one
+schema across an input's files; credentials never printed; and the steps of a job, unit by
+unit where an engine start would only repeat what is tested."""
 
 from __future__ import annotations
 
@@ -11,23 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipelines.cli import main
-
-from conftest import job_config
-
-
-def cli(*args, capsys) -> tuple[int, str, str]:
-    code = main([*map(str, args)])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_line_error(err: str, *needles: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("overnight: error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+from conftest import cli, job_config, one_line_error, write_jsonl
+from conftest import override_rows as rows
 
 
 @pytest.fixture
@@ -46,10 +33,6 @@ def job_file(tiny_model, tmp_path):
         return path
 
     return tmp_path, data, write
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
 ROWS = [{"title": f"Lamp {i}", "description": f"light {i}"} for i in range(3)]
@@ -303,3 +286,121 @@ def test_a_filter_no_row_of_the_first_block_can_be_evaluated_on_is_refused_by_va
                                    for i in range(4)])
     code, _, err = cli("validate", path, capsys=capsys)
     assert code == 0, err  # one row it can be evaluated on: the others are their own errors
+
+
+# -- refused before any engine starts, on rows with a sku and their overrides
+
+
+@pytest.fixture
+def sku_job_file(tiny_model, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()[:4]))
+
+    def write(input_path=data, output=tmp_path / "out", **sections) -> object:
+        config = job_config(tiny_model, input_path, output, input={"id_column": "sku"})
+        for name, value in sections.items():  # an http engine replaces the vllm one
+            config[name] = value if name == "engine" else {**config.get(name, {}), **value}
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    return tmp_path, data, write
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "file"])
+def test_an_output_that_overlaps_the_input_is_refused_and_the_input_kept(sku_job_file, capsys,
+                                                                          where):
+    root, data, write = sku_job_file
+    output = {"same": data, "inside": data / "out", "file": data / "a.jsonl"}[where]
+    code, _, err = cli("run", write(output=output), "--overwrite", capsys=capsys)
+    assert code == 2
+    one_line_error(err, "overlaps the input")
+    assert (data / "a.jsonl").read_text().count("\n") == 4
+
+
+def test_hidden_and_underscore_folders_are_not_read(sku_job_file, capsys):
+    root, data, write = sku_job_file
+    for hidden in (".ipynb_checkpoints", "_temporary"):
+        (data / hidden).mkdir()
+        (data / hidden / "a.jsonl").write_text("{broken\n")
+    code, out, err = cli("validate", write(), capsys=capsys)
+    assert code == 0, err
+    assert "4 rows" in out
+
+
+@pytest.mark.parametrize("lines, needles", [
+    ('{"sku": "A", "title": "t", "description": "d", "n": 18446744073709551616}\n',
+     ["a.jsonl:1", "column 'n'", "64-bit integer"]),
+    ('{"sku": "A", "title": "t", "description": "d"}\n\u00a0\n', ["a.jsonl:2", "not valid JSON"]),
+])
+def test_input_values_arrow_cannot_hold_are_one_line_naming_file_and_line(sku_job_file, capsys,
+                                                                          lines, needles):
+    root, data, write = sku_job_file
+    (data / "a.jsonl").write_text(lines, encoding="utf-8")
+    code, _, err = cli("validate", write(), capsys=capsys)
+    assert code == 2
+    one_line_error(err, *needles)
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("sampling.temperature=3", "sampling.temperature"),
+    ("sampling.top_p=1.5", "sampling.top_p"),
+])
+def test_out_of_range_sampling_is_refused_by_validate(sku_job_file, capsys, setting, needle):
+    _, _, write = sku_job_file
+    code, _, err = cli("validate", write(), "--set", setting, capsys=capsys)
+    assert code == 2
+    one_line_error(err, needle)
+
+
+def test_truncating_chat_messages_for_a_server_is_refused(sku_job_file, capsys):
+    _, _, write = sku_job_file
+    path = write(prompt={"on_too_long": "truncate"},
+                 engine={"kind": "http", "base_url": "http://127.0.0.1:9/v1",
+                         "endpoint": "chat"})
+    code, _, err = cli("validate", path, capsys=capsys)
+    assert code == 2
+    one_line_error(err, "truncate", "endpoint")
+
+
+@pytest.mark.parametrize("column, value, needle", [
+    ("opts", 7, "overrides_column 'opts' is int64"),
+    ("cap", "ten", "max_tokens_column 'cap' is string"),
+])
+def test_a_sampling_column_of_the_wrong_type_is_refused(sku_job_file, capsys, column, value,
+                                                        needle):
+    _, data, write = sku_job_file
+    rows_ = [{**r, column: value} for r in rows()[:4]]
+    (data / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    key = "overrides_column" if column == "opts" else "max_tokens_column"
+    code, _, err = cli("validate", write(sampling={key: column}), capsys=capsys)
+    assert code == 2
+    one_line_error(err, needle)
+
+
+# -- secrets never printed
+
+
+@pytest.mark.parametrize("path, secrets", [
+    ("s3://AKIAEXAMPLE:se/cr+et@bucket/in.parquet", ["AKIAEXAMPLE", "se/cr", "cr+et"]),
+    ("https://user:pw-hunter2@127.0.0.1:9/a.jsonl", ["pw-hunter2"]),
+    ("s3://bucket/in/*.jsonl?access_key=AKIAQ&secret_key=zz-top", ["AKIAQ", "zz-top"]),
+])
+def test_credentials_in_an_input_path_are_never_printed(sku_job_file, capsys, path, secrets):
+    _, _, write = sku_job_file
+    code, _, err = cli("validate", write(input_path=path), capsys=capsys)
+    assert code == 2
+    line = one_line_error(err)
+    assert not any(s in line for s in secrets), line
+
+
+def test_an_api_key_with_a_trailing_newline_is_not_printed(sku_job_file, capsys, monkeypatch):
+    _, _, write = sku_job_file
+    monkeypatch.setenv("OVERNIGHT_TEST_KEY", "sk-newline-secret-7\n")
+    path = write(engine={"kind": "http", "base_url": "http://u:pw-x9@127.0.0.1:9/v1",
+                         "api_key_env": "OVERNIGHT_TEST_KEY"})
+    code, _, err = cli("validate", path, capsys=capsys)
+    assert code == 2
+    line = one_line_error(err, "cannot reach the server")
+    assert "sk-newline-secret-7" not in line and "pw-x9" not in line
