@@ -203,12 +203,12 @@ class Stepper:
         engine, request = self.engine, batch.requests[index]
         request_id = f"overnight-{next(self.counter)}"
         try:  # the sampling values too: one vLLM refuses is this request's error
-            params = engine._sampling_params(request)
-            params.output_kind = engine._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+            params = engine.sampling_params(request)
+            params.output_kind = engine.vllm.sampling_params.RequestOutputKind.FINAL_ONLY
             engine.llm.llm_engine.add_request(
-                request_id, engine._prompt(request), params,
+                request_id, engine.prompt(request), params,
                 lora_request=engine.adapters[request.adapter] if request.adapter else None)
-        except engine._request_errors as exc:  # this request only: a row error
+        except engine.request_errors as exc:  # this request only: a row error
             if isinstance(exc, images.ImageError):  # one of its images cannot be used
                 result = GenerationResult(None, None, None, error=str(exc),
                                           error_kind=ErrorKind.IMAGE)

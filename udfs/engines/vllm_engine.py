@@ -75,13 +75,13 @@ class VLLMEngine:
         multiprocessing = opts.pop("multiprocessing", None)
         threads = opts.pop("cpu_threads", None)  # given for CPU engines only
         _environment_before_vllm(threads, multiprocessing)
-        self._vllm = vllm = _import_vllm()
+        self.vllm = vllm = _import_vllm()
         # Errors that belong to one request, raised while vLLM adds it: that row's error.
         # Anything else is an engine failure: it stops the job, whose written parts a re-run
         # resumes from.
         from vllm.exceptions import VLLMClientError
 
-        self._request_errors = (VLLMClientError, ValueError)
+        self.request_errors = (VLLMClientError, ValueError)
         cpu = on_cpu()
         self._set_cpu_threads(cpu, threads, multiprocessing)
         kwargs = llm_kwargs(spec.model, opts, cpu, reasoning_parser, adapters, lora)
@@ -116,8 +116,9 @@ class VLLMEngine:
         """The thread that runs the engine (udfs/engines/pooling_engine.py has its own)."""
         return Stepper
 
-    def _sampling_params(self, req: GenerationRequest):
-        return self._vllm.SamplingParams(
+    def sampling_params(self, req: GenerationRequest):
+        """vLLM's SamplingParams for a request (the stepper adds it with ``prompt``'s)."""
+        return self.vllm.SamplingParams(
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
@@ -133,12 +134,13 @@ class VLLMEngine:
             include_stop_str_in_output=req.include_stop,
             logit_bias=dict(req.logit_bias) or None,
             logprobs=req.logprobs,
-            structured_outputs=(self._vllm.sampling_params.StructuredOutputsParams(
+            structured_outputs=(self.vllm.sampling_params.StructuredOutputsParams(
                 **req.structured) if req.structured else None),
         )
 
-    def _prompt(self, req: GenerationRequest):
-        prompt = self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+    def prompt(self, req: GenerationRequest):
+        """vLLM's TokensPrompt for a request, its images decoded into it."""
+        prompt = self.vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
         if req.images:
             # decoded here, as the engine takes the request: a job holds the decoded images
             # of the requests being added, not a block's; vLLM's processor expands each

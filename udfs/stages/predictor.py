@@ -440,7 +440,7 @@ class Predictor:
         counted in its prompt beyond the rendered text's (each image's placeholder there
         replaced by the image's tokens); null where the engine did not take the row."""
         rendered = batch.column(columns.PROMPT_TOKENS).to_pylist()
-        per_image = len(self.renderer._placeholder()) if self.renderer is not None else 0
+        per_image = len(self.renderer.placeholder_ids()) if self.renderer is not None else 0
         count = [len(found) if found is not None else None for found in images]
         tokens = [engine - text + n * per_image
                   if found and engine is not None and text is not None and engine != text

@@ -284,7 +284,7 @@ class PromptRenderer:
         would take an image's place, or leave one without a place (vLLM then fails)."""
         if not isinstance(found, list) or not found:
             return None
-        run = self._placeholder()
+        run = self.placeholder_ids()
         if not run:
             return None
         held = sum(1 for i in range(len(ids) - len(run) + 1) if ids[i:i + len(run)] == run)
@@ -296,7 +296,7 @@ class PromptRenderer:
                 f"image(s): the row's text holds the model's image token, which is not "
                 "allowed in a text")
 
-    def _placeholder(self) -> list[int]:
+    def placeholder_ids(self) -> list[int]:
         """The token ids the chat template writes for one image: found once, by rendering a
         message with and without an image part (a string-format template: the placeholder
         vLLM puts in the text, as the tokenizer reads it)."""
