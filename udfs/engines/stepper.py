@@ -48,8 +48,7 @@ class Stepper:
     Requests wait here, not in the engine's queue, until the engine has a free sequence slot
     (``max_num_seqs``), and the one added next is the one with the least slack: arrival step
     minus ``max_tokens``. Long requests start first, so short ones fill the batch at the end
-    of a run instead of a few long ones running alone (bare ``LLM.generate`` on the benchmark
-    took 0.88-0.94 of the time with its prompts sorted longest first); and a request that has
+    of a run instead of a few long ones running alone; and a request that has
     waited N steps goes before any newcomer not more than N tokens longer, so no block
     starves.
 

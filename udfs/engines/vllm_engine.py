@@ -31,12 +31,12 @@ def _environment_before_vllm(threads: int | None, multiprocessing: bool | None) 
         # before vllm (and torch, and OpenMP) load, which read it once.
         os.environ["OMP_NUM_THREADS"] = str(threads)
     # vLLM's CPU matmuls build a oneDNN primitive for each batch size they meet, and
-    # oneDNN keeps 1,024 of them: a long job's varied batches grew the engine by ~300 MiB
-    # over 20k rows (bare vLLM as much). 16 levels it at no measured cost in speed.
+    # oneDNN keeps 1,024 of them: a long job's varied batches grow the engine's memory
+    # (bare vLLM's as much). 16 levels it at no cost in speed (docs/benchmarks.md).
     # Read when oneDNN first runs; a value in the environment wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
     # Must be set before vllm is imported. On 2 CPU cores the engine-core process and its
-    # worker fight for the cores; in process it starts in 3 s instead of 24.
+    # worker fight for the cores; in process it starts many times faster.
     if multiprocessing is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
 

@@ -2,7 +2,7 @@
 
 Given a ``RenderSpec`` it renders each block's prompts first (udfs/stages/prompts.py), in its own
 process: a job's actors are then the engine's and the writer's, with one tokenizer loaded, not
-two (a separate renderer actor cost ~400 MiB and a share of a small machine's CPU while the
+two (a separate renderer actor cost memory and a share of a small machine's CPU while the
 engine ran). Rows the renderer marked (an error, or skipped) pass through untouched; the rest
 go to the engine as one batch. A request the engine rejects becomes that row's error.
 """
