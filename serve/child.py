@@ -24,8 +24,8 @@ RUN_MARK = "-- overnight serve: a run of this batch starts --\n"
 def stop_stale_child(store: Store, batch_id: str) -> None:
     """What an earlier server process left of this batch's child, killed before the batch is
     touched: the child itself where PDEATHSIG is unavailable, and always the Ray agents of its
-    process group, which outlive a killed driver (measured: ``ray::DashboardAgent`` and
-    ``ray::RuntimeEnvAgent`` still there minutes later)."""
+    process group, which outlive a killed driver (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``)."""
     pid = store.child_of(batch_id)
     if pid is None:
         return

@@ -217,7 +217,7 @@ class ResidentEngine:
 
     def stop(self) -> None:
         """The engine's whole process group killed: the API server and vLLM's engine core
-        process, which outlives a killed API server otherwise (measured: ~1 GB each)."""
+        process, which outlives a killed API server otherwise, its memory held."""
         self._stopping = True
         if self.proc is not None:
             _kill_group(self.proc.pid)

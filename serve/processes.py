@@ -24,8 +24,8 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child, before e
 
 def kill_group(child: subprocess.Popen) -> None:
     """The child's whole process group killed at once. Its parts are committed atomically, so
-    a hard stop loses nothing written; a SIGINT first was measured to let the job's Ray actors
-    go on writing parts for seconds (a cancelled 30,000-request batch finished all of them)."""
+    a hard stop loses nothing written; after a SIGINT the job's Ray actors go on writing parts
+    for seconds (docs/benchmarks.md)."""
     try:
         os.killpg(child.pid, signal.SIGKILL)
     except ProcessLookupError:

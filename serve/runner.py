@@ -96,7 +96,7 @@ class Runner:
         """Every batch's child and batch worker killed with all it started (the server is
         exiting). The queue stops first, so nothing starts again and no kill is counted as
         a batch's death; then each child's whole session goes: a child or worker killed by
-        PDEATHSIG alone left its Ray's agents running (~200 MB each measured), and Ray's
+        PDEATHSIG alone left its Ray's agents running, and Ray's
         workers take process groups of their own inside the session."""
         self._stopping.set()
         self._run_wake.set()

@@ -5,11 +5,10 @@ A batch's job is exactly what ``python -m pipelines.cli batch ...`` runs: the sa
 ``pipelines.batchfile.run.run_batch``, with the same arguments, ended as the command line ends a run
 (``pipelines.errors.exit_status``: a user's mistake one line and status 2), its output to the
 batch's log; only what it costs to start is paid once: Python's imports and Ray's start, which
-were most of a small batch's time (measured: 16 CPU-seconds a 3-request batch as a process of
-its own, 8.5 in a worker). A worker runs one batch at a time; the runner treats it as that
-batch's child while it runs (``WorkerRun``), so a cancel, an expiry or a restart kills it whole
-(its process group, its Ray with it) exactly as it killed a child, and a worker that failed is
-never given another batch.
+were most of a small batch's time (docs/benchmarks.md). A worker runs one batch at a time;
+the runner treats it as that batch's child while it runs (``WorkerRun``), so a cancel, an
+expiry or a restart kills it whole (its process group, its Ray with it) exactly as it killed a
+child, and a worker that failed is never given another batch.
 
 Protocol: the runner writes a JSON line ``{"batch": {...}, "log": path}`` to the worker's stdin,
 ``batch`` the keyword arguments of ``run_batch``; the worker answers ``{"rc": N}`` on its stdout

@@ -15,14 +15,14 @@ share used is low while they run), and a run's last requests run few at a time, 
 rate than the window saw. The rate is the output tokens per second since the first token,
 over at most the last ``RATE_WINDOW_S``: a window that holds many turns of the engine's
 whole batch (prefills, decodes, the gaps between waves of blocks), where the last 15 s saw
-one moment's mix (the demo model rewriting 400 rows once said `eta 00:24` with 109 s left).
+one moment's mix.
 
 No ETA is shown until the rate it rests on is worth a guess (``EtaGate``): enough of this
 run's work done (``ETA_MIN_DONE`` of it, or ``ETA_MIN_SHARE``), ``ETA_MIN_SECONDS`` of
 generation, and two estimates ``ETA_GAP_S`` apart that agree within ``ETA_AGREE``; before
-that the line says what it waits for. The demo model's first seconds once said `eta 40:11`
-with 78 s left, then `eta 16:13`. The rows counted are the ones this run generates (a
-``--retry-errors`` run's: the rows with errors), never more than 100% of them.
+that the line says what it waits for: a first seconds' rate is far off. The rows counted are
+the ones this run generates (a ``--retry-errors`` run's: the rows with errors), never more
+than 100% of them.
 
 On a terminal one line is redrawn in place; in a log file (stdout not a TTY) a plain line is
 printed every ``interval`` seconds instead of a flood of carriage returns.

@@ -2,8 +2,7 @@
 
 Ray does all the scheduling; this module only turns the config into Ray resource requests
 sized so that the whole chain fits the cluster at once, and refuses, with a clear line, a request
-that the cluster can never satisfy (Ray would wait forever, saying nothing: four GPU engines that
-took a whole CPU each on a 4-GPU, 4-CPU cluster left none for reading and writing).
+that the cluster can never satisfy (Ray would wait forever, saying nothing).
 """
 
 from __future__ import annotations
@@ -96,10 +95,10 @@ def ray_session(address: str | None = None, verbose: bool = False):
                          logging_level=logging.INFO if verbose else logging.ERROR)
     if address is None:
         options["include_dashboard"] = False
-        # Ray's GCS keeps a record of every task and actor call (100,000 by default, ~3 KB
-        # each): a 10M-row job makes ~80,000 of them (two health calls a block), which grew
-        # the GCS by ~270 MiB. The records serve Ray's dashboard and state API, which a job
-        # started here does not run; a few thousand are plenty to debug one.
+        # Ray's GCS keeps a record of every task and actor call (100,000 by default), and a
+        # large job makes tens of thousands (docs/benchmarks.md). The records serve Ray's
+        # dashboard and state API, which a job started here does not run; a few thousand are
+        # plenty to debug one.
         os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(TASK_EVENTS_KEPT))
     else:
         import udfs

@@ -52,7 +52,7 @@ class _LocalModel:
 def _local_model(name: str) -> _LocalModel | None:
     """What pre-flight needs of a local model directory, read from its files with the
     ``tokenizers`` library alone: the driver starts no engine, and transformers' AutoTokenizer
-    imports torch with it (5 s and ~400 MiB of the driver, for a check). The tokenizer is
+    imports torch with it (seconds and memory of the driver, for a check). The tokenizer is
     loaded, so a broken one is still found here; the engine's replicas load it through
     transformers, as vLLM does. None where the name is no such directory (a hub name, a
     tokenizer without tokenizer.json, a file that is not JSON): transformers then loads it,

@@ -67,7 +67,7 @@ def vllm_reasoning_parsers() -> frozenset[str] | None:
 @functools.cache
 def vllm_engine_args() -> frozenset[str] | None:
     """The keyword arguments vllm.LLM accepts, read from vLLM's source, not imported
-    (``import vllm`` takes 7-9 s and torch with it); None where vLLM is not installed or its
+    (``import vllm`` takes seconds and torch with it); None where vLLM is not installed or its
     source is not laid out as expected."""
     import ast
     import importlib.util

@@ -121,7 +121,7 @@ def glob_regex(pattern: str) -> re.Pattern:
 def parquet_file(file: Location) -> pq.ParquetFile:
     """A local file by path (Arrow opens and closes it), a remote one through its filesystem.
     A local file is read through a small buffer, a page at a time: read whole (pre-buffered),
-    the first rows of a 1M-row group held the group's 60 MB of column chunks; an object
+    the first rows of a row group held all the group's column chunks; an object
     store's reads are coalesced as Arrow does by default."""
     if file.local:
         return pq.ParquetFile(file.path, pre_buffer=False, buffer_size=1 << 20)

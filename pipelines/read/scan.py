@@ -65,7 +65,7 @@ class IdDigest:
     def repeated(self) -> set[int]:
         """Hashes seen more than once (a repeat, or rarely two ids that share a hash). Sorted
         in place and compared with their neighbours: 8 bytes a row and a bit more, where a
-        hash table of 10M ids took 600 MiB more for a moment. Asked once: the hashes go."""
+        hash table takes many times that for a moment. Asked once: the hashes go."""
         import numpy as np
 
         if not self._hashes:

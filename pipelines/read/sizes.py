@@ -30,8 +30,8 @@ def reads_at_once(read_ahead: int, unit_bytes: float) -> int | None:
     store; a task holds its own memory too, about twice its unit (the decoded row group, or
     page: pyarrow writes up to 1,024 values a page, 0.8 GB of photos, and the blocks cut from
     it), until its blocks are taken, and a task the budget pauses keeps holding it. At a job's
-    start, with nothing read yet, Ray Data started as many as the CPUs let it: four tasks of
-    256 photos of 0.8 MB held 3 GB while the engine loaded. None (Ray Data's choice) where
+    start, with nothing read yet, Ray Data started as many as the CPUs let it, each holding
+    its unit while the engine loaded (docs/benchmarks.md). None (Ray Data's choice) where
     units are small."""
     at_once = max(1, int(read_ahead // max(READ_TASK_HOLDS * unit_bytes, 1)))
     return at_once if at_once < READS_AT_ONCE_UNBOUNDED else None

@@ -86,7 +86,7 @@ class Parser:
 
     def chain(self, word: str, operand, join) -> Value:
         """Operands joined by AND (OR) as one flat all (any) of them, SQL's logic of nulls
-        kept: a left-deep tree of 400 ANDs took polars 6 s to optimize, this takes ms."""
+        kept: polars is slow to optimize a left-deep tree of many ANDs."""
         values = [operand()]
         while self.accept("word", word):
             self.count()

@@ -118,7 +118,7 @@ def _stage_parts(plan, found: pa.Table, blocks: list, carried: list[str], layout
         # (a job of steps' part: its input rows by its name, a row its filter
         # dropped is not in it)
         whole = len(run) == rows.num_rows  # (an unchanged table's bucket: no copy)
-        record = writer._write_run(rows if whole else rows.take(run), [] if steps else None)
+        record = writer.write_run(rows if whole else rows.take(run), [] if steps else None)
         saved["rows"] += record["input_rows"]
         if not steps:
             saved["prompt_tokens"] += record["prompt_tokens"]

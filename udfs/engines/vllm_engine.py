@@ -31,12 +31,12 @@ def _environment_before_vllm(threads: int | None, multiprocessing: bool | None) 
         # before vllm (and torch, and OpenMP) load, which read it once.
         os.environ["OMP_NUM_THREADS"] = str(threads)
     # vLLM's CPU matmuls build a oneDNN primitive for each batch size they meet, and
-    # oneDNN keeps 1,024 of them: a long job's varied batches grew the engine by ~300 MiB
-    # over 20k rows (bare vLLM as much). 16 levels it at no measured cost in speed.
+    # oneDNN keeps 1,024 of them: a long job's varied batches grow the engine's memory
+    # (bare vLLM's as much). 16 levels it at no cost in speed (docs/benchmarks.md).
     # Read when oneDNN first runs; a value in the environment wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
     # Must be set before vllm is imported. On 2 CPU cores the engine-core process and its
-    # worker fight for the cores; in process it starts in 3 s instead of 24.
+    # worker fight for the cores; in process it starts many times faster.
     if multiprocessing is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
 
@@ -75,13 +75,13 @@ class VLLMEngine:
         multiprocessing = opts.pop("multiprocessing", None)
         threads = opts.pop("cpu_threads", None)  # given for CPU engines only
         _environment_before_vllm(threads, multiprocessing)
-        self._vllm = vllm = _import_vllm()
+        self.vllm = vllm = _import_vllm()
         # Errors that belong to one request, raised while vLLM adds it: that row's error.
         # Anything else is an engine failure: it stops the job, whose written parts a re-run
         # resumes from.
         from vllm.exceptions import VLLMClientError
 
-        self._request_errors = (VLLMClientError, ValueError)
+        self.request_errors = (VLLMClientError, ValueError)
         cpu = on_cpu()
         self._set_cpu_threads(cpu, threads, multiprocessing)
         kwargs = llm_kwargs(spec.model, opts, cpu, reasoning_parser, adapters, lora)
@@ -116,8 +116,9 @@ class VLLMEngine:
         """The thread that runs the engine (udfs/engines/pooling_engine.py has its own)."""
         return Stepper
 
-    def _sampling_params(self, req: GenerationRequest):
-        return self._vllm.SamplingParams(
+    def sampling_params(self, req: GenerationRequest):
+        """vLLM's SamplingParams for a request (the stepper adds it with ``prompt``'s)."""
+        return self.vllm.SamplingParams(
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
@@ -133,12 +134,13 @@ class VLLMEngine:
             include_stop_str_in_output=req.include_stop,
             logit_bias=dict(req.logit_bias) or None,
             logprobs=req.logprobs,
-            structured_outputs=(self._vllm.sampling_params.StructuredOutputsParams(
+            structured_outputs=(self.vllm.sampling_params.StructuredOutputsParams(
                 **req.structured) if req.structured else None),
         )
 
-    def _prompt(self, req: GenerationRequest):
-        prompt = self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+    def prompt(self, req: GenerationRequest):
+        """vLLM's TokensPrompt for a request, its images decoded into it."""
+        prompt = self.vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
         if req.images:
             # decoded here, as the engine takes the request: a job holds the decoded images
             # of the requests being added, not a block's; vLLM's processor expands each

@@ -4,7 +4,7 @@ Generation is constrained by the engine (JSON Schema, a choice, a regex), so a v
 the rule; a generation cut off at ``max_tokens`` is the usual exception. Such a row keeps its
 raw text and gets a ``parse_error``; the job goes on. So does an output that is valid under the
 schema but does not fit its column (an integer past int64, a lone surrogate, 1e400): nothing a
-row holds stops the job (issue #18: one int past int64 once stopped a whole job).
+row holds stops the job.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ class Chain:
     takes one block at a time and the writer commits each as a part. The pieces run at once,
     up to ``at_once`` of them in the actor over all its calls (the blocks in flight it was
     given): one run after another, a batch's later pieces reached the engine only as the
-    earlier ones finished, and a small job's engine ran half empty at times (the long-output
-    benchmark's generation 3.3 s slower over 400 rows). Their outputs are yielded in order."""
+    earlier ones finished, and a small job's engine ran half empty at times. Their outputs are
+    yielded in order."""
 
     def __init__(self, stages: list[tuple[type, dict]],
                  cut: tuple[tuple[int, ...], int] | None = None, at_once: int = 1):

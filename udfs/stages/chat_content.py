@@ -9,7 +9,7 @@ each image's placeholder in it (``vllm/renderers/hf.py: _detect_content_format``
 template takes string content was handed a list: ``TypeError: can only concatenate str (not
 "list") to str`` stopped the whole job. The renderer (udfs/stages/prompts.py) now does as vLLM does:
 
-- ``detect_content_format``: vLLM's detection, ported to run without importing vLLM (7-9 s
+- ``detect_content_format``: vLLM's detection, ported to run without importing vLLM (seconds
   and torch, on the driver: ``overnight validate``, pre-flight); tests/test_images.py checks
   it against vLLM's own on the templates it meets;
 - ``string_content``: a message's parts as one string, vLLM's way: the text parts joined by a
@@ -236,7 +236,7 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 
 class TemplateOnly:
     """A local model's chat template without its tokenizer: pre-flight renders a few rows
-    through it on the driver, where importing transformers costs 1.5 s and its tokenizer
+    through it on the driver, where importing transformers takes seconds and its tokenizer
     torch. Rendered in the Jinja environment transformers' ``apply_chat_template`` renders in
     (``chat_template_utils._compile_jinja_template``: its options, filters and globals), the
     template found where transformers finds it (chat_template.jinja before

@@ -18,11 +18,10 @@ _trimmed_at: float | None = None
 def release_free_memory() -> None:
     """Give the C heap's free pages back to the system, at most once every TRIM_EVERY_S
     seconds. glibc keeps what a block's requests, tensors and Arrow buffers freed, and over a
-    long job that grew the engine's actor by several MiB a block while bare vLLM stayed flat;
+    long job that grew the engine's actor block by block while bare vLLM stayed flat;
     trimmed now and then it levels off. Not after every block: a trim also hands back the
-    pages the engine reuses for each step's activations, which then fault in again. On the
-    prefill-heavy job (#24, 20k rows, max_tokens 1) trimming after every block cost the engine
-    thread ~20% more CPU, much of it in the kernel, and ~0.1 of bare vLLM's speed.
+    pages the engine reuses for each step's activations, which then fault in again
+    (docs/benchmarks.md: the cost on a prefill-heavy job).
     A no-op where the C library is not glibc."""
     global _trimmed_at
     if _malloc_trim is None:

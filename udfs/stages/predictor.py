@@ -2,7 +2,7 @@
 
 Given a ``RenderSpec`` it renders each block's prompts first (udfs/stages/prompts.py), in its own
 process: a job's actors are then the engine's and the writer's, with one tokenizer loaded, not
-two (a separate renderer actor cost ~400 MiB and a share of a small machine's CPU while the
+two (a separate renderer actor cost memory and a share of a small machine's CPU while the
 engine ran). Rows the renderer marked (an error, or skipped) pass through untouched; the rest
 go to the engine as one batch. A request the engine rejects becomes that row's error.
 """
@@ -440,7 +440,7 @@ class Predictor:
         counted in its prompt beyond the rendered text's (each image's placeholder there
         replaced by the image's tokens); null where the engine did not take the row."""
         rendered = batch.column(columns.PROMPT_TOKENS).to_pylist()
-        per_image = len(self.renderer._placeholder()) if self.renderer is not None else 0
+        per_image = len(self.renderer.placeholder_ids()) if self.renderer is not None else 0
         count = [len(found) if found is not None else None for found in images]
         tokens = [engine - text + n * per_image
                   if found and engine is not None and text is not None and engine != text
