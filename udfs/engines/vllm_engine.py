@@ -10,9 +10,23 @@ import os
 from typing import Sequence
 
 from udfs.rows import images
-from udfs.engines.engine import EngineSpec, GenerationRequest, GenerationResult
+from udfs.engines.engine import (SAMPLING_FIELDS, WIRE_NAMES, EngineSpec, GenerationRequest,
+                                 GenerationResult)
 from udfs.engines.stepper import Batch, Stepper
 from udfs.engines.vllm_outputs import Reasoning
+
+
+def sampling_params_kwargs(req: GenerationRequest) -> dict:
+    """vLLM's SamplingParams for a request, but its structured output: the Sampling fields as
+    vLLM takes them (an empty tuple as None, logit_bias a dict, no top_k as 0: vLLM's off)."""
+    kwargs = {"max_tokens": req.max_tokens, "logprobs": req.logprobs}
+    for name in SAMPLING_FIELDS:
+        value = getattr(req, name)
+        if isinstance(value, tuple):
+            value = (dict(value) if name == "logit_bias" else list(value)) or None
+        kwargs[WIRE_NAMES.get(name, name)] = value
+    kwargs["top_k"] = req.top_k if req.top_k is not None else 0
+    return kwargs
 
 
 def on_cpu() -> bool:
@@ -117,25 +131,10 @@ class VLLMEngine:
         return Stepper
 
     def _sampling_params(self, req: GenerationRequest):
-        return self._vllm.SamplingParams(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k if req.top_k is not None else 0,
-            min_tokens=req.min_tokens,
-            seed=req.seed,
-            stop=list(req.stop) or None,
-            ignore_eos=req.ignore_eos,
-            repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            stop_token_ids=list(req.stop_token_ids) or None,
-            include_stop_str_in_output=req.include_stop,
-            logit_bias=dict(req.logit_bias) or None,
-            logprobs=req.logprobs,
-            structured_outputs=(self._vllm.sampling_params.StructuredOutputsParams(
-                **req.structured) if req.structured else None),
-        )
+        structured = (self._vllm.sampling_params.StructuredOutputsParams(**req.structured)
+                      if req.structured else None)
+        return self._vllm.SamplingParams(**sampling_params_kwargs(req),
+                                         structured_outputs=structured)
 
     def _prompt(self, req: GenerationRequest):
         prompt = self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
