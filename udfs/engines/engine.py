@@ -49,7 +49,7 @@ class Sampling:
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
-# A Sampling field's name in a request body and a row's overrides, where it differs
+# A Sampling field's name in vLLM, a request body and a row's overrides, where it differs
 WIRE_NAMES = {"include_stop": "include_stop_str_in_output"}
 
 

@@ -17,8 +17,8 @@ from udfs.engines.vllm_outputs import Reasoning
 
 
 def sampling_params_kwargs(req: GenerationRequest) -> dict:
-    """vLLM's SamplingParams for a request, but its structured output: the Sampling fields as
-    vLLM takes them (an empty tuple as None, logit_bias a dict, no top_k as 0: vLLM's off)."""
+    """vLLM's SamplingParams arguments for a request, all but structured_outputs: the Sampling
+    fields as vLLM takes them (an empty tuple as None, logit_bias a dict, no top_k as 0)."""
     kwargs = {"max_tokens": req.max_tokens, "logprobs": req.logprobs}
     for name in SAMPLING_FIELDS:
         value = getattr(req, name)
