@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.config import JobConfig
+from pipelines.config import JobConfig, SamplingConfig
 from pipelines.errors import ConfigError, JobError, one_line
 from pipelines.plan.adapters import adapter_sampling, check_adapters
 from pipelines.plan.fingerprint import RECOVERY_SETTINGS
@@ -18,7 +18,7 @@ from pipelines.read import InputPlan
 from pipelines.reuse.request_key import KeySpec
 from pipelines.storage import redact
 from udfs import columns
-from udfs.engines.engine import EngineSpec
+from udfs.engines.engine import EngineSpec, sampling_values
 from udfs.rows.logprobs import SERVER_TOP_K_MAX, confidence_top_k
 from udfs.rows.parsers import SchemaError, StructuredSpec
 from udfs.stages.pooler import PoolingSpec
@@ -95,21 +95,23 @@ def sampling_spec(config: JobConfig, prompt, structured: StructuredSpec | None) 
     """The job's sampling settings, and the columns its generation writes beside the output."""
     s = config.sampling
     return SamplingSpec(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
-        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, stop_token_ids=tuple(s.stop_token_ids),
+        max_tokens=s.max_tokens, **section_sampling(s),
         key_column=config.input.id_column or columns.ORDINAL,
         structured=structured.engine_params() if structured else None, n=s.n,
         max_tokens_column=s.max_tokens_column, overrides_column=s.overrides_column,
         logprobs_column=config.logprobs_column(), logprobs=config.output.logprobs,
         confidence_column=config.confidence_column(),
         confidence_top_k=_top_for_confidence(config, structured),
-        logit_bias=tuple(sorted((s.logit_bias or {}).items())),
         reasoning_column=config.reasoning_column(),
         **adapter_sampling(config, prompt),
         count_images=config.steps is None and bool(prompt.images),
     )
+
+
+def section_sampling(section: SamplingConfig) -> dict:
+    """A sampling section's Sampling fields, for its SamplingSpec (logit_bias in token order)."""
+    values = sampling_values(section.model_dump())
+    return {**values, "logit_bias": tuple(sorted(values.get("logit_bias", ())))}
 
 
 def _top_for_confidence(config: JobConfig, structured: StructuredSpec | None) -> int:

@@ -22,6 +22,7 @@ from pipelines.plan.adapters import adapter_sampling
 from pipelines.config import JobConfig, StepConfig
 from pipelines.errors import ConfigError, InputError, one_line
 from pipelines.plan.images import image_spec
+from pipelines.plan.specs import section_sampling
 from udfs import columns
 from udfs.rows import to_polars
 from udfs.rows.parsers import StructuredSpec
@@ -89,12 +90,8 @@ def _step_spec(config: JobConfig, i: int, step: StepConfig, max_model_len: int,
         images=image_spec(p, config.input.path),
         chat_template_content_format=p.chat_template_content_format)
     sampling = SamplingSpec(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        min_tokens=s.min_tokens, seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
-        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, stop_token_ids=tuple(s.stop_token_ids),
-        key_column=KEY, structured=structured.engine_params() if structured else None,
-        n=s.n, logit_bias=tuple(sorted((s.logit_bias or {}).items())),
+        max_tokens=s.max_tokens, **section_sampling(s), key_column=KEY,
+        structured=structured.engine_params() if structured else None, n=s.n,
         # a thinking model's: the step's thinking in C_reasoning (udfs/stages/steps.py)
         reasoning_column=(columns.step_column(step.output_column, columns.STEP_REASONING)
                           if config.model.reasoning_parser else None),

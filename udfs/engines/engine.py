@@ -11,8 +11,8 @@ one forward pass per request, a vector or a few floats back.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from dataclasses import KW_ONLY, dataclass, field, fields
+from typing import Any, Mapping, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -24,32 +24,69 @@ class EngineSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_token_ids: list[int]
-    max_tokens: int
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """The sampling fields a generation depends on, declared once: the job's (SamplingSpec)
+    and each row's request (GenerationRequest) carry them to vLLM and to an OpenAI body."""
+
+    # In the order an OpenAI body sends them (udfs/engines/http_engine.py: request_body)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int | None = None
-    min_tokens: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
-    repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     # The matched stop string kept at the text's end (vLLM's include_stop_str_in_output): a
     # reader that must know which one stopped it (Anthropic's stop_sequence) strips it itself
     include_stop: bool = False
+    # Added to these tokens' logits at every step: ((token id, bias), ...), OpenAI's logit_bias
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
+# A Sampling field's name in vLLM, a request body and a row's overrides, where it differs
+WIRE_NAMES = {"include_stop": "include_stop_str_in_output"}
+
+
+def sampling_values(values: Mapping[str, Any]) -> dict:
+    """The Sampling fields ``values`` gives (a config section's, a row's overrides; by their
+    wire names), in the shapes Sampling declares: a list as a tuple, logit_bias's
+    {token id: bias} as ((token id, bias), ...) in its order (None: not given)."""
+    out = {}
+    for name in SAMPLING_FIELDS:
+        wire = WIRE_NAMES.get(name, name)
+        if wire not in values:
+            continue
+        value = values[wire]
+        if name == "logit_bias":
+            if value is None:
+                continue
+            value = tuple((int(token), bias) for token, bias in value.items())
+        elif isinstance(value, list):
+            value = tuple(value)
+        out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class GenerationRequest(Sampling):
+    """One row's request: its prompt, its token budget and its sampling (positional: the
+    token ids and max_tokens; the rest by name)."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    _: KW_ONLY
     # Per generated token: its logprob and this many top alternatives (None: no logprobs)
     logprobs: int | None = None
     # Constrained decoding: {"json": schema} | {"choice": [...]} | {"regex": "..."}
     structured: dict | None = None
     # The same prompt as chat messages, for an engine that applies the chat template itself
     messages: list[dict] | None = None
-    # Added to these tokens' logits at every step: ((token id, bias), ...), OpenAI's logit_bias
-    logit_bias: tuple[tuple[int, float], ...] = ()
     # The chat template's switches its prompt was rendered with (prompt.chat_template_kwargs),
     # which a reasoning parser reads as vLLM's chat path gives them (Qwen3's enable_thinking)
     chat_template_kwargs: dict | None = None

@@ -21,15 +21,15 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import httpx
 
 from udfs.rows import images
 from udfs.columns import ErrorKind
-from udfs.engines.engine import (EngineSpec, GenerationRequest, GenerationResult, PoolingRequest,
-                         PoolingResult, token_logprob)
+from udfs.engines.engine import (WIRE_NAMES, EngineSpec, GenerationRequest, GenerationResult,
+                                 PoolingRequest, PoolingResult, Sampling, token_logprob)
 from udfs.redact import scrub
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -79,28 +79,7 @@ def request_body(options: HTTPOptions, r: GenerationRequest) -> dict:
             else r.messages
     else:
         body["prompt"] = r.prompt_token_ids
-    if r.seed is not None:
-        body["seed"] = r.seed
-    if r.stop:
-        body["stop"] = list(r.stop)
-    if r.top_k is not None:
-        body["top_k"] = r.top_k
-    if r.min_tokens:
-        body["min_tokens"] = r.min_tokens
-    if r.ignore_eos:
-        body["ignore_eos"] = True
-    if r.presence_penalty:
-        body["presence_penalty"] = r.presence_penalty
-    if r.frequency_penalty:
-        body["frequency_penalty"] = r.frequency_penalty
-    if r.repetition_penalty != 1.0:
-        body["repetition_penalty"] = r.repetition_penalty
-    if r.stop_token_ids:
-        body["stop_token_ids"] = list(r.stop_token_ids)
-    if r.include_stop:
-        body["include_stop_str_in_output"] = True
-    if r.logit_bias:  # OpenAI's shape: token ids as the object's keys
-        body["logit_bias"] = {str(token): bias for token, bias in r.logit_bias}
+    body.update(optional_sampling(r))
     if r.logprobs is not None:  # the two endpoints ask for them differently
         if options.endpoint == "chat":
             body.update(logprobs=True, top_logprobs=r.logprobs)
@@ -112,6 +91,28 @@ def request_body(options: HTTPOptions, r: GenerationRequest) -> dict:
                                    "json_schema": {"name": "output", "schema": structured["json"]}}
     elif structured:  # choice / regex: vLLM's structured_outputs extension
         body["structured_outputs"] = structured
+    return body
+
+
+def optional_sampling(r: Sampling) -> dict:
+    """The Sampling fields a body sends beside temperature and top_p: each only where it is
+    set (not None, not empty, not its default), so that a server without vLLM's extensions
+    takes a request that uses none of them."""
+    body = {}
+    for f in fields(Sampling):
+        if f.name in ("temperature", "top_p"):  # always sent, ahead of the prompt
+            continue
+        value, default = getattr(r, f.name), f.default
+        if not (value is not None if default is None
+                else value != default if default else value):
+            continue
+        if f.name == "logit_bias":  # OpenAI's shape: token ids as the object's keys
+            value = {str(token): bias for token, bias in value}
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif default is False:
+            value = True
+        body[WIRE_NAMES.get(f.name, f.name)] = value
     return body
 
 

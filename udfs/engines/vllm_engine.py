@@ -10,9 +10,23 @@ import os
 from typing import Sequence
 
 from udfs.rows import images
-from udfs.engines.engine import EngineSpec, GenerationRequest, GenerationResult
+from udfs.engines.engine import (SAMPLING_FIELDS, WIRE_NAMES, EngineSpec, GenerationRequest,
+                                 GenerationResult)
 from udfs.engines.stepper import Batch, Stepper
 from udfs.engines.vllm_outputs import Reasoning
+
+
+def sampling_params_kwargs(req: GenerationRequest) -> dict:
+    """vLLM's SamplingParams arguments for a request, all but structured_outputs: the Sampling
+    fields as vLLM takes them (an empty tuple as None, logit_bias a dict, no top_k as 0)."""
+    kwargs = {"max_tokens": req.max_tokens, "logprobs": req.logprobs}
+    for name in SAMPLING_FIELDS:
+        value = getattr(req, name)
+        if isinstance(value, tuple):
+            value = (dict(value) if name == "logit_bias" else list(value)) or None
+        kwargs[WIRE_NAMES.get(name, name)] = value
+    kwargs["top_k"] = req.top_k if req.top_k is not None else 0
+    return kwargs
 
 
 def on_cpu() -> bool:
@@ -118,25 +132,10 @@ class VLLMEngine:
 
     def sampling_params(self, req: GenerationRequest):
         """vLLM's SamplingParams for a request (the stepper adds it with ``prompt``'s)."""
-        return self.vllm.SamplingParams(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k if req.top_k is not None else 0,
-            min_tokens=req.min_tokens,
-            seed=req.seed,
-            stop=list(req.stop) or None,
-            ignore_eos=req.ignore_eos,
-            repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            stop_token_ids=list(req.stop_token_ids) or None,
-            include_stop_str_in_output=req.include_stop,
-            logit_bias=dict(req.logit_bias) or None,
-            logprobs=req.logprobs,
-            structured_outputs=(self.vllm.sampling_params.StructuredOutputsParams(
-                **req.structured) if req.structured else None),
-        )
+        structured = (self.vllm.sampling_params.StructuredOutputsParams(**req.structured)
+                      if req.structured else None)
+        return self.vllm.SamplingParams(**sampling_params_kwargs(req),
+                                        structured_outputs=structured)
 
     def prompt(self, req: GenerationRequest):
         """vLLM's TokensPrompt for a request, its images decoded into it."""

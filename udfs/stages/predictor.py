@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from udfs import columns
 from udfs.columns import ErrorKind
-from udfs.engines.engine import EngineSpec, GenerationRequest, build_engine
+from udfs.engines.engine import (SAMPLING_FIELDS, EngineSpec, GenerationRequest, Sampling,
+                                 build_engine, sampling_values)
 from udfs.rows.logprobs import LOGPROBS_TYPE, label_confidence, truncate_top
 from udfs.stages.memory import release_free_memory
 from udfs.stages.prompts import PromptRenderer, RenderSpec
@@ -28,22 +29,13 @@ from udfs.stages.replica import replica_label
 from udfs.engines.recovery import Recovery
 
 
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Per-job sampling settings; each row's seed derives from ``seed`` and the row's key."""
+@dataclass(frozen=True, kw_only=True)
+class SamplingSpec(Sampling):
+    """Per-job sampling settings (by name): the Sampling fields every row starts from, and the
+    columns its generation reads and writes."""
 
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_tokens: int = 0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0  # the job's: each row's seed derives from it and the row's key
     key_column: str = columns.ORDINAL  # the id column, when the input has one
     structured: dict | None = None  # see GenerationRequest.structured
     n: int = 1  # samples per row: the output has n rows per input row
@@ -59,7 +51,6 @@ class SamplingSpec:
     # alternatives it needs (udfs/logprobs.confidence_top_k)
     confidence_column: str | None = None
     confidence_top_k: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # ((token id, bias), ...)
     # With a reasoning parser (a thinking model): the column of each row's thinking; its
     # answer is the output column, its thinking tokens columns.REASONING_TOKENS
     reasoning_column: str | None = None
@@ -252,31 +243,14 @@ class Predictor:
                  ) -> GenerationRequest:
         s = self.sampling
         cap = s.max_tokens if max_tokens is None else max(1, min(max_tokens, s.max_tokens))
-        temperature = overrides.get("temperature", s.temperature)
-        seed = overrides.get("seed")
-        if seed is not None:  # the request's own seed: each sample a different one
-            seed = (seed + sample) & 0x7FFFFFFF
-        elif temperature > 0:  # greedy needs no seed, and an unseeded request is cheaper
-            seed = row_seed(s.seed, key, sample)
         schema = overrides.get("json_schema")
-        top_k = overrides.get("top_k", s.top_k)
         top = max(self._top(overrides) or 0, s.confidence_top_k)
         return GenerationRequest(
-            prompt_token_ids=token_ids, max_tokens=cap, temperature=temperature,
-            top_p=overrides.get("top_p", s.top_p), top_k=top_k if top_k and top_k > 0 else None,
-            min_tokens=overrides.get("min_tokens", s.min_tokens),
-            seed=seed, stop=tuple(overrides.get("stop", s.stop)),
-            ignore_eos=overrides.get("ignore_eos", s.ignore_eos),
-            repetition_penalty=overrides.get("repetition_penalty", s.repetition_penalty),
-            presence_penalty=overrides.get("presence_penalty", s.presence_penalty),
-            frequency_penalty=overrides.get("frequency_penalty", s.frequency_penalty),
-            stop_token_ids=tuple(overrides.get("stop_token_ids", s.stop_token_ids)),
-            include_stop=overrides.get("include_stop_str_in_output", False),
+            prompt_token_ids=token_ids, max_tokens=cap,
+            **self._row_sampling(overrides, key, sample),
             logprobs=top if self._top(overrides) is not None or s.confidence_top_k else None,
             structured={"json": schema} if schema is not None else s.structured,
             messages=json.loads(messages) if messages is not None else None,
-            logit_bias=(tuple((int(k), v) for k, v in overrides["logit_bias"].items())
-                        if overrides.get("logit_bias") is not None else s.logit_bias),
             # its own prompt's ({} for none: not the engine's, which are the first step's)
             chat_template_kwargs=(self.renderer.spec.chat_template_kwargs or {}
                                   if self.renderer is not None else None),
@@ -284,6 +258,19 @@ class Predictor:
             images=tuple(images or ()),
             image_spec=self.renderer.spec.images if images and self.renderer else None,
         )
+
+    def _row_sampling(self, overrides: dict, key, sample: int) -> dict:
+        """A row's Sampling fields: its overrides over the job's, with a seed per sample."""
+        s = self.sampling
+        values = {**{name: getattr(s, name) for name in SAMPLING_FIELDS},
+                  **sampling_values(overrides)}
+        seed = overrides.get("seed")
+        if seed is not None:  # the request's own seed: each sample a different one
+            seed = (seed + sample) & 0x7FFFFFFF
+        elif values["temperature"] > 0:  # greedy needs no seed, and an unseeded request is cheaper
+            seed = row_seed(s.seed, key, sample)
+        top_k = values["top_k"]
+        return {**values, "seed": seed, "top_k": top_k if top_k and top_k > 0 else None}
 
     def _top(self, overrides: dict) -> int | None:
         """The top alternatives this row's logprobs column asks for; None: no column."""
