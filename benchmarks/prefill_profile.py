@@ -359,7 +359,7 @@ def markdown(args, result: dict) -> list[str]:
     window = result["window_s"]
     comps = result["components"]
     total = sum(c["cpu_s"] for c in comps)
-    lines = [f"# Prefill-heavy job: where the engine's process spends its CPU",
+    lines = ["# Prefill-heavy job: where the engine's process spends its CPU",
              "", args.label or "", "",
              f"`python benchmarks/prefill_profile.py --rows {args.rows} --max-tokens "
              f"{args.max_tokens} --duration {args.duration}`: {args.rows} rows, max_tokens "
