@@ -116,7 +116,9 @@ def test_a_batch_whose_job_dies_runs_again_from_its_parts_then_fails_with_them(s
         == final.request_counts.total - len(ids)
 
 
-WINDOW_S = 75  # long enough for its first parts here (a block of 512 rows), far shorter than its tail
+# long enough for its first parts (a block of 512 rows) while the other test worker runs a job
+# beside it (75 s was not, with the longest files sorted first), far shorter than its tail
+WINDOW_S = 150
 
 
 def test_a_batch_past_its_window_expires_with_its_done_part_and_a_queued_one_never_starts(
