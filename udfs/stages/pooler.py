@@ -98,12 +98,9 @@ class PairRenderer(PromptRenderer):
         return result
 
     def _render_pair(self, row: dict):
-        nulls = [name for name, value in row.items() if value is None]
-        if nulls:
-            if self.spec.on_null == "error":
-                return (None, None, None, ErrorKind.NULL_FIELD,
-                        f"column {nulls[0]!r} is null in this row")
-            row = self.fill_nulls(row)
+        row, null = self.nulls_handled(row)
+        if null is not None:
+            return None, None, None, ErrorKind.NULL_FIELD, null
         try:
             query, document = (render_template(self.template, row, self.spec.on_null),
                                render_template(self.pair, row, self.spec.on_null))

@@ -220,6 +220,16 @@ class PromptRenderer:
         """on_null: empty -> nulls as empty strings (render_row has refused them otherwise)."""
         return {k: ("" if v is None else v) for k, v in row.items()}
 
+    def nulls_handled(self, row: dict) -> tuple[dict | None, str | None]:
+        """(the row the template sees, None), or (None, the error naming its first null
+        column) where on_null is error."""
+        nulls = [name for name, value in row.items() if value is None]
+        if not nulls:
+            return row, None
+        if self.spec.on_null == "error":
+            return None, f"column {nulls[0]!r} is null in this row"
+        return self.fill_nulls(row), None
+
     def tokenize(self, text: str, chat: bool) -> list[int]:
         # A chat template writes its own special tokens (BOS...): adding them again would
         # change the prompt from what vLLM's chat path sends.
@@ -339,12 +349,9 @@ class PromptRenderer:
         if isinstance(found, str):
             return None, None, None, ErrorKind.IMAGE, found
         count = self.images_count(found)
-        nulls = [name for name, value in row.items() if value is None]
-        if nulls:
-            if self.spec.on_null == "error":
-                return (None, None, None, ErrorKind.NULL_FIELD,
-                        f"column {nulls[0]!r} is null in this row")
-            row = self.fill_nulls(row)
+        row, null = self.nulls_handled(row)
+        if null is not None:
+            return None, None, None, ErrorKind.NULL_FIELD, null
         try:
             raw, messages, _ = self.prompt(row, count)
         except NullValue as exc:  # a null inside a column, printed: as a column's null
