@@ -31,9 +31,7 @@ def kill_group(child: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     child.wait()
-    deadline = time.monotonic() + 30
-    while group(child.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _until_gone(group, child.pid)
 
 
 def kill_session(child: subprocess.Popen) -> None:
@@ -45,32 +43,43 @@ def kill_session(child: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     child.wait()
-    deadline = time.monotonic() + 30
-    while session(child.pid) and time.monotonic() < deadline:
+    _until_gone(session, child.pid)
+
+
+def _until_gone(live, pid: int, seconds: float = 30) -> None:
+    """Wait while ``live(pid)`` lists processes, ``seconds`` at most."""
+    deadline = time.monotonic() + seconds
+    while live(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
 def session(sid: int) -> list[int]:
     """The live processes of a session (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
+    return [int(proc.name) for proc in _live(SESSION, sid)]
 
 
 def group(pgid: int) -> list[bytes]:
     """The command lines of the live processes in a process group (Linux /proc)."""
     commands = []
+    for proc in _live(GROUP, pgid):
+        try:
+            commands.append((proc / "cmdline").read_bytes())
+        except OSError:  # gone since
+            continue
+    return commands
+
+
+GROUP, SESSION = 2, 3  # a /proc/PID/stat's fields after the command: state, ppid, pgrp, session
+
+
+def _live(field: int, value: int) -> list[Path]:
+    """The /proc folders of the live (not zombie) processes whose ``field`` is ``value``."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                commands.append((stat.parent / "cmdline").read_bytes())
+            if int(fields[field]) == value and fields[0] != "Z":
+                found.append(stat.parent)
         except (OSError, IndexError, ValueError):
             continue
-    return commands
+    return found

@@ -10,6 +10,7 @@ one forward pass per request, a vector or a few floats back.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any, Mapping, Protocol, Sequence
@@ -46,6 +47,11 @@ class Sampling:
     include_stop: bool = False
     # Added to these tokens' logits at every step: ((token id, bias), ...), OpenAI's logit_bias
     logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @functools.cached_property
+    def sampling_fields(self) -> dict:
+        """Its Sampling fields by name, read once: every row's request starts from a job's."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from udfs import columns
 from udfs.columns import ErrorKind
-from udfs.engines.engine import (SAMPLING_FIELDS, EngineSpec, GenerationRequest, Sampling,
+from udfs.engines.engine import (EngineSpec, GenerationRequest, Sampling,
                                  build_engine, sampling_values)
 from udfs.rows.logprobs import LOGPROBS_TYPE, label_confidence, truncate_top
 from udfs.stages.memory import release_free_memory
@@ -262,8 +262,7 @@ class Predictor:
     def _row_sampling(self, overrides: dict, key, sample: int) -> dict:
         """A row's Sampling fields: its overrides over the job's, with a seed per sample."""
         s = self.sampling
-        values = {**{name: getattr(s, name) for name in SAMPLING_FIELDS},
-                  **sampling_values(overrides)}
+        values = {**s.sampling_fields, **sampling_values(overrides)}
         seed = overrides.get("seed")
         if seed is not None:  # the request's own seed: each sample a different one
             seed = (seed + sample) & 0x7FFFFFFF
