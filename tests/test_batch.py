@@ -94,7 +94,7 @@ RUN_FAILED = {9: "prompt_too_long", 27: "engine_error"}
 INSIDE = {19: "body.response_format.json_schema: must be an object",
           20: "body.response_format.json_schema.schema.$schema: must be a string",
           21: "body.messages[0].role: must be a string", 22: "body.input[0].role: one of",
-          23: "body.tools: not supported", 24: "nested too deeply",
+          23: "body.tools[0]: only tools of type", 24: "nested too deeply",
           25: "a lone surrogate", 26: "Exceeds the limit (4300 digits)",
           27: "Pointer '/nope' does not exist"}
 SETTINGS = [f"engine.kv_cache_memory_bytes={KV_CACHE}", "model.dtype=float32",
@@ -298,7 +298,7 @@ UNSUPPORTED = {
     "top-without-logprobs": (chat("top-without-logprobs", "hi", max_tokens=4,
                                   top_logprobs=2), "needs body.logprobs: true"),
     "tools": (chat("tools", "hi", max_tokens=4, tools=[{"type": "function"}]),
-              "body.tools: not supported"),
+              "body.tools[0].function: must be an object"),
     # a message field no template would see is refused, as an unknown body field is
     "named": ({**chat("named", "hi", max_tokens=4), "body": {"messages": [
         {"role": "user", "content": "hi", "name": "ann"}], "max_tokens": 4}},

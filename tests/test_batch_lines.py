@@ -359,7 +359,7 @@ NAMED = {
         "custom_id": "r", "method": "POST", "url": "/v1/responses",
         "body": {"input": [{"role": ["user"], "content": "hi"}]}}),
                               "body.input[0].role: one of user"),
-    "tools numbers": (_chat(tools=[1, 2]), "body.tools: not supported"),
+    "tools numbers": (_chat(tools=[1, 2]), "body.tools[0]: only tools of type 'function'"),
     "nested too deep": ("[" * 100_000, "nested too deeply"),
     "an integer of 5,000 digits": (_chat().replace('"hi"', "9" * 5000),
                                    "Exceeds the limit (4300 digits)"),

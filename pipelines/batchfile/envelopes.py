@@ -12,9 +12,10 @@ from typing import Any, TypedDict
 
 from pipelines.batchfile import embeddings
 from pipelines.batchfile import responses
-from pipelines.batchfile.lines import CUSTOM_ID, KIND, LINE
+from pipelines.batchfile.lines import CUSTOM_ID, KIND, LINE, TOOLS
 from udfs import columns
 from udfs.rows.logprobs import text_offsets
+from udfs.rows.tool_calls import calls_expected, read_spec
 
 
 # Typed dicts, not pydantic models: a line is a plain dict as it is built (keys in the order
@@ -105,7 +106,7 @@ def result_line(samples: list[dict], model: str, created: int, token_bytes) -> B
     choices = [
         {"index": i, "finish_reason": s[columns.FINISH_REASON],
          "logprobs": _openai_logprobs(s.get(LOGPROBS), chat, token_bytes),
-         **({"message": {"role": "assistant", "content": s["text"],
+         **({"message": {"role": "assistant", **chat_message(s),
                          **({"reasoning": s[REASONING]} if thinking else {})}} if chat
             else {"text": s["text"]})}
         for i, s in enumerate(samples)]
@@ -122,6 +123,27 @@ def result_line(samples: list[dict], model: str, created: int, token_bytes) -> B
     return _answer(custom_id, line, body)
 
 
+def chat_message(sample: dict) -> dict:
+    """A chat result's content and tool calls, as vLLM's chat server answers: a named or
+    required choice's calls with content "" (its output was the calls, or failed to be);
+    auto's calls with the content the parser left (null for none); no ``tool_calls`` where
+    none were made."""
+    calls = sample.get(TOOL_CALLS)
+    spec = read_spec(sample.get(TOOLS))
+    content = sample["text"]
+    if spec is None or spec["tool_choice"] == "none":
+        return {"content": content}
+    if calls_expected(spec):
+        content = ""
+    if not calls:
+        return {"content": content}
+    return {"content": content, "tool_calls": [
+        {"id": call["id"], "type": "function",
+         "function": {"name": call["name"], "arguments": call["arguments"]}}
+        for call in calls]}
+
+
+TOOL_CALLS = "tool_calls"  # the job's tool calls column (output.tool_calls_column's default)
 LOGPROBS = "logprobs"  # the job's logprobs column (output.logprobs_column's default)
 REASONING = "reasoning"  # and its thinking's (output.reasoning_column's default)
 

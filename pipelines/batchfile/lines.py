@@ -16,6 +16,7 @@ from pipelines.batchfile import anthropic
 from pipelines.batchfile import embeddings
 from pipelines.batchfile import responses
 from pipelines.errors import one_line
+from udfs.rows.tool_calls import ToolError, read_spec, tool_spec
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # Sampling fields a body may set beside temperature, top_p, n, seed and stop: OpenAI's
@@ -23,19 +24,20 @@ URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "ignore_eos", "top_k",
                   "min_tokens", "repetition_penalty", "stop_token_ids", "logit_bias")
 
-# Columns of the prepared table of requests.
-CUSTOM_ID, LINE, KIND, PROMPT, MAX_TOKENS, OVERRIDES, MODEL = (
-    "custom_id", "line", "kind", "prompt", "max_tokens", "overrides", "model")
+# Columns of the prepared table of requests. TOOLS: a chat request's tools, as one JSON
+# value (udfs/rows/tool_calls.py: tool_spec), null for a request without.
+CUSTOM_ID, LINE, KIND, PROMPT, MAX_TOKENS, OVERRIDES, MODEL, TOOLS = (
+    "custom_id", "line", "kind", "prompt", "max_tokens", "overrides", "model", "tools")
 SCHEMA = pa.schema([(CUSTOM_ID, pa.string()), (LINE, pa.int64()), (KIND, pa.string()),
                     (PROMPT, pa.string()), (MAX_TOKENS, pa.int64()), (OVERRIDES, pa.string()),
-                    (MODEL, pa.string())])
+                    (MODEL, pa.string()), (TOOLS, pa.string())])
 
 
 # Body fields that change nothing overnight writes: accepted and ignored. Any field not
 # here and not a field of _Body is that request's error, never silently dropped (a body
 # with ignore_eos: true once ran as if it had not asked).
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "safety_identifier",
-                  "prompt_cache_key", "parallel_tool_calls", "stream_options"}
+                  "prompt_cache_key", "stream_options"}
 
 
 class Reject(ValueError):
@@ -86,11 +88,12 @@ def file_format(requests: Path) -> str:
 
 
 def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int,
-                  fmt: str = "openai") -> dict:
+                  fmt: str = "openai", tool_parser: str | None = None) -> dict:
     """One line -> one row of the prepared table; raises Reject (code, message, the line's
     custom_id when it could be read) if it cannot run. ``default_max_tokens`` None: a request
     without max_tokens may use the room its prompt leaves (its row's max_tokens is null until
     ``prepare`` has counted the prompt). ``fmt`` "anthropic": a Message Batches line.
+    ``tool_parser``: the job's model.tool_parser (a tool_choice other than none needs one).
 
     Whatever a line holds, it is that line's Reject or its row, never another exception:
     one bad value once raised out of ``prepare`` and failed the whole file."""
@@ -105,7 +108,7 @@ def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int,
             raise Reject("invalid_request", "a Message Batches line (custom_id, params) in "
                          "an OpenAI Batch file; put it in a file of its own")
         else:
-            row = _parse(data, default_max_tokens, max_model_len)
+            row = _parse(data, default_max_tokens, max_model_len, tool_parser)
         _check_text(row)
         return row
     except Reject as reject:
@@ -132,7 +135,8 @@ def _check_text(row: dict) -> None:
                              "which is not text") from None
 
 
-def _parse(data: dict, default_max_tokens: int | None, max_model_len: int) -> dict:
+def _parse(data: dict, default_max_tokens: int | None, max_model_len: int,
+           tool_parser: str | None = None) -> dict:
     try:
         line = _Line.model_validate(data)
     except ValidationError as err:
@@ -159,10 +163,12 @@ def _parse(data: dict, default_max_tokens: int | None, max_model_len: int) -> di
             raise Reject("invalid_body", f"body.{key}: not supported by overnight, which "
                          "would have to ignore it; remove it") from None
         raise Reject("invalid_body", f"body.{key}: {first['msg']}") from None
+    tools = _tools(body, kind, tool_parser)
     if kind == "chat":
         if not body.messages:
             raise Reject("invalid_body", "body.messages is required for /v1/chat/completions")
         messages = [_message(i, m) for i, m in enumerate(body.messages)]
+        check_tool_turns(messages, lambda m: Reject("invalid_body", m))
     else:
         if body.prompt is None or isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise Reject("invalid_body", "body.prompt must be one string for /v1/completions")
@@ -183,7 +189,46 @@ def _parse(data: dict, default_max_tokens: int | None, max_model_len: int) -> di
     if body.response_format is not None:
         overrides.update(_response_format(body.response_format))
     return {CUSTOM_ID: line.custom_id, KIND: kind, PROMPT: prompt, MAX_TOKENS: max_tokens,
-            OVERRIDES: json.dumps(overrides), MODEL: body.model}
+            OVERRIDES: json.dumps(overrides), MODEL: body.model, TOOLS: tools}
+
+
+def _tools(body: _Body, kind: str, tool_parser: str | None) -> str | None:
+    """A body's tools as the prepared table's TOOLS value (None: none), checked as vLLM's
+    server checks them, in its words where it has them; Reject where they cannot run."""
+    if body.tools is None:
+        if body.tool_choice not in (None, "none"):
+            raise Reject("invalid_body", "body.tool_choice: when using `tool_choice`, "
+                         "`tools` must be set")
+        return None
+    if kind != "chat":
+        raise Reject("invalid_body", "body.tools: tools are for /v1/chat/completions")
+    try:
+        spec = tool_spec(body.tools, body.tool_choice, body.parallel_tool_calls, "body")
+    except ToolError as exc:
+        raise Reject("invalid_body", str(exc)) from None
+    choice = read_spec(spec)["tool_choice"]
+    if choice != "none" and tool_parser is None:
+        shown = choice if isinstance(choice, str) else "a named function"
+        raise Reject("invalid_body", f"body.tool_choice: {shown} needs a tool-call parser: "
+                     "the operator runs this file with model.tool_parser (e.g. hermes) set")
+    if choice != "none" and body.response_format is not None \
+            and body.response_format.get("type") not in (None, "text"):
+        raise Reject("invalid_body", "body.response_format does not go with a tool_choice "
+                     "other than none (the tool call is the output's format); remove one")
+    return spec
+
+
+def check_tool_turns(messages: list[dict], error) -> None:
+    """A conversation's tool turns hold together: each tool message answers a call an earlier
+    assistant turn made (its tool_call_id); ``error(message)`` is raised where one does not."""
+    called: set = set()
+    for i, message in enumerate(messages):
+        for call in message.get("tool_calls") or ():
+            called.add(call.get("id"))
+        if message["role"] == "tool" and message.get("tool_call_id") not in called:
+            raise error(f"body.messages[{i}].tool_call_id: "
+                        f"{str(message.get('tool_call_id'))[:64]!r} answers no earlier "
+                        "assistant tool call")
 
 
 class _Body(BaseModel):
@@ -202,6 +247,10 @@ class _Body(BaseModel):
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # OpenAI's: an int64
     stop: str | list[str] | None = None
     response_format: dict[str, Any] | None = None
+    # function tools, checked in _tools (udfs/rows/tool_calls.py)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     stream: bool | None = None
     # chat: true/false, with top_logprobs; completions: the number of alternatives
     logprobs: bool | int | None = None
@@ -269,23 +318,57 @@ class _Line(BaseModel):
 
 
 def _message(index: int, message: dict) -> dict:
-    """A chat message as the prompt renderer takes it: role and text content. Its other
-    fields (``name``, ``tool_calls``...) would reach no template, so a message that sets one
-    is the request's error, as an unknown body field is, never dropped silently."""
+    """A chat message as the prompt renderer takes it: role and content, an assistant's
+    ``tool_calls`` (its content may then be null) and a tool message's ``tool_call_id``. Its
+    other fields (``name``...) would reach no template, so a message that sets one is the
+    request's error, as an unknown body field is, never dropped silently."""
     where = f"body.messages[{index}]"
     if "role" not in message:
         raise Reject("invalid_body", f"{where}: no 'role'")
-    extra = sorted(set(message) - {"role", "content"})
+    role = message["role"]
+    allowed = {"role", "content", *({"tool_calls"} if role == "assistant" else ()),
+               *({"tool_call_id"} if role == "tool" else ())}
+    extra = sorted(set(message) - allowed)
     if extra:
         raise Reject("invalid_body", f"{where}.{extra[0]}: not supported by overnight, "
                      "which would have to ignore it; remove it")
-    if not isinstance(message["role"], str) or not message["role"]:
+    if not isinstance(role, str) or not role:
         raise Reject("invalid_body", f"{where}.role: must be a string such as 'user'")
+    out = {"role": role}
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise Reject("invalid_body", f"{where}.tool_call_id: a tool message needs the id "
+                     "of the call it answers")
+    if message.get("tool_call_id") is not None:
+        out["tool_call_id"] = message["tool_call_id"]
+    if message.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
     try:
-        return {"role": message["role"],
-                "content": _content(message.get("content"), f"{where}.content")}
+        content = message.get("content")
+        out["content"] = (None if content is None and "tool_calls" in out
+                          else _content(content, f"{where}.content"))
     except ValueError as exc:
         raise Reject("invalid_body", str(exc)) from None
+    return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant's earlier calls: each {id, type: function, function: {name, arguments
+    (JSON text)}}, as OpenAI's API takes them."""
+    if not isinstance(calls, list):
+        raise Reject("invalid_body", f"{where}: must be a list of tool calls")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function" \
+                or not isinstance(call.get("id"), str) \
+                or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", ""), str):
+            raise Reject("invalid_body", f"{where}[{i}]: must be {{id, type: function, "
+                         "function: {name, arguments (a JSON string)}}")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": function["name"],
+                                 "arguments": function.get("arguments", "")}})
+    return out
 
 
 def _content(content, where: str = "content") -> str | list[dict]:

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from pipelines.batchfile import embeddings
 from pipelines.batchfile.envelopes import error_line, jsonl
 from pipelines.batchfile.lines import (CUSTOM_ID, KIND, LINE, MAX_TOKENS, MODEL, PROMPT, SCHEMA,
-                                       Reject, numbered_lines, parse_request)
+                                       TOOLS, Reject, numbered_lines, parse_request)
 
 # requests per row group of the prepared table, and their bytes at most (an embeddings line
 # may hold 2,048 inputs): memory stays flat, here and where the table is read
@@ -30,22 +30,24 @@ class Prepared:
     rejected: int
     max_tokens: int  # the largest a request asks for: the job's cap
     task: str = "generate"  # or "embed": a file of /v1/embeddings lines
+    tools: int = 0  # the requests with tools
 
 
 def prepare(requests: Path, work: Path, default_max_tokens: int | None,
             max_model_len: int, prompt_lengths=None, adapter_of=None,
-            fmt: str = "openai") -> Prepared:
+            fmt: str = "openai", tool_parser: str | None = None) -> Prepared:
     """Read the request file once, streaming: runnable requests to Parquet, the rest to the
     error file (both in line order). With ``default_max_tokens`` None, a request without
     max_tokens gets the room its prompt leaves in the context, as the hosted API's and vLLM's
     defaults: ``prompt_lengths(prompts)`` counts the prompts' tokens (``prompt_counter``).
     ``adapter_of`` (a job with LoRA adapters, ``model_resolver``): a request's ``model`` ->
     the adapter it runs on (None: the base model); a model it does not serve is the
-    request's error."""
+    request's error. ``tool_parser``: the job's model.tool_parser (a request whose
+    tool_choice needs one is the request's error without it)."""
     table, errors = work / "requests.parquet", work / "rejected.jsonl"
     tmp_table, tmp_errors = work / ".requests.parquet.tmp", work / ".rejected.jsonl.tmp"
     seen: set[str] = set()
-    count = rejected = 0
+    count = rejected = tools = 0
     family = None  # embeddings, or chat/completions: the first runnable line's
     with pq.ParquetWriter(tmp_table, SCHEMA) as writer, \
             open(tmp_errors, "w", encoding="utf-8") as bad:
@@ -53,7 +55,7 @@ def prepare(requests: Path, work: Path, default_max_tokens: int | None,
         for number, raw in numbered_lines(requests):
             try:
                 row = _request_row(raw, default_max_tokens, max_model_len, fmt, adapter_of,
-                                   seen, family)
+                                   seen, family, tool_parser)
             except Reject as exc:
                 bad.write(jsonl(error_line(number, exc.custom_id, exc.code, exc.message)))
                 rejected += 1
@@ -62,20 +64,23 @@ def prepare(requests: Path, work: Path, default_max_tokens: int | None,
             family = family or _family(row[KIND])
             groups.add({**row, LINE: number}, len(raw))
             count += 1
+            tools += row.get(TOOLS) is not None
         groups.flush()
     os.replace(tmp_table, table)
     os.replace(tmp_errors, errors)
     return Prepared(table, errors, count, rejected, groups.top or default_max_tokens or 1,
-                    task="embed" if family == embeddings.KIND else "generate")
+                    task="embed" if family == embeddings.KIND else "generate", tools=tools)
 
 
 def _request_row(raw: bytes, default_max_tokens: int | None, max_model_len: int, fmt: str,
-                 adapter_of, seen: set[str], family: str | None) -> dict:
+                 adapter_of, seen: set[str], family: str | None,
+                 tool_parser: str | None = None) -> dict:
     """One line's row of the prepared table; Reject where it cannot run: the line's own
     error, a model the job does not serve, a ``custom_id`` an earlier line ran under, or an
     endpoint other than the file's (``family``, the first runnable line's)."""
     try:
-        row = parse_request(raw.decode("utf-8"), default_max_tokens, max_model_len, fmt)
+        row = parse_request(raw.decode("utf-8"), default_max_tokens, max_model_len, fmt,
+                            tool_parser)
     except UnicodeDecodeError:
         raise Reject("invalid_json", "not valid UTF-8") from None
     if adapter_of is not None and row[KIND] != embeddings.KIND:
@@ -130,7 +135,7 @@ def _fill_room(rows: list[dict], max_model_len: int, prompt_lengths) -> int:
     todo = [row for row in rows if row[MAX_TOKENS] is None]
     if not todo:
         return 0
-    lengths = prompt_lengths([row[PROMPT] for row in todo])
+    lengths = prompt_lengths([row[PROMPT] for row in todo], [row.get(TOOLS) for row in todo])
     for row, length in zip(todo, lengths):
         # a prompt the renderer refuses (no length) fails the same way in the job
         row[MAX_TOKENS] = 1 if length is None else max(1, max_model_len - length)
@@ -144,13 +149,16 @@ def prompt_counter(model: str, max_model_len: int, trust_remote_code: bool = Fal
 
     renderer = None
 
-    def count(prompts: list[str]) -> list[int | None]:
+    def count(prompts: list[str], tools: list[str | None] | None = None) -> list[int | None]:
         nonlocal renderer
         if renderer is None:
             renderer = PromptRenderer(RenderSpec(
                 template=None, tokenizer=model, max_model_len=max_model_len, max_tokens=1,
-                trust_remote_code=trust_remote_code, messages_column=PROMPT))
-        rendered = renderer.render_rows([{PROMPT: p} for p in prompts], [None] * len(prompts))
+                trust_remote_code=trust_remote_code, messages_column=PROMPT,
+                tools_column=TOOLS))
+        tools = tools or [None] * len(prompts)
+        rendered = renderer.render_rows([{PROMPT: p, TOOLS: t} for p, t in zip(prompts, tools)],
+                                        [None] * len(prompts))
         return [length for _, length, *_ in rendered]  # None: the renderer refused it
 
     return count

@@ -10,7 +10,8 @@ from pathlib import Path
 from pipelines.batchfile import anthropic
 from pipelines.batchfile import embeddings
 from pipelines.batchfile.envelopes import served_name
-from pipelines.batchfile.lines import CUSTOM_ID, MAX_TOKENS, MODEL, OVERRIDES, PROMPT, file_format
+from pipelines.batchfile.lines import (CUSTOM_ID, MAX_TOKENS, MODEL, OVERRIDES, PROMPT, TOOLS,
+                                       file_format)
 from pipelines.batchfile.prepare import Prepared, model_resolver, prepare, prompt_counter
 from pipelines.batchfile.results import finish_write, work_dir, write_results
 from pipelines.config import JobConfig, apply_overrides, load_config, read_yaml
@@ -146,7 +147,7 @@ def _prepared(requests: Path, work: Path, source: dict, unchanged: bool, base: d
                        max_model_len, prompt_counter(
                            model, max_model_len, model_section.get("trust_remote_code", False)),
                        adapter_of=model_resolver(served, model, adapters) if adapters else None,
-                       fmt=fmt)
+                       fmt=fmt, tool_parser=model_section.get("tool_parser"))
     write_atomically(prepared_record, lambda tmp: tmp.write_text(json.dumps(
         {k: v for k, v in prepared.__dict__.items() if k not in ("table", "errors")})))
     write_atomically(work / "source.json", lambda tmp: tmp.write_text(json.dumps(source)))
@@ -190,7 +191,9 @@ def batch_config(prepared: Prepared, output: Path, model: str, base: dict | None
                               "file; remove it")
     raw["input"] = {"path": str(prepared.table), "id_column": CUSTOM_ID}
     raw.setdefault("model", {})["name"] = model
-    raw["prompt"] = {"messages_column": PROMPT, "on_too_long": "error"}
+    raw["prompt"] = {"messages_column": PROMPT, "on_too_long": "error",
+                     # each request's own tools (lines.py), where any has them
+                     **({"tools_column": TOOLS} if prepared.tools else {})}
     sampling = raw.setdefault("sampling", {})
     sampling.update({"max_tokens": prepared.max_tokens, "max_tokens_column": MAX_TOKENS,
                      "overrides_column": OVERRIDES})

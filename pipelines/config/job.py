@@ -206,6 +206,23 @@ class JobConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _tools_apply(self) -> JobConfig:
+        """Tools go with a one-step generate job; a named choice is the job's structure."""
+        for i, prompt in enumerate(p for p in self.prompts() if p is not None):
+            tools = prompt.tools is not None or prompt.tools_column is not None
+            if tools and self.steps is not None:
+                raise ValueError(f"steps[{i}].prompt.tools: tools in a job of steps are not "
+                                 "supported yet; run the tool step as a job of its own")
+        if self.prompt is None or self.prompt.tools is None:
+            return self
+        if self.task != "generate":
+            raise ValueError(f"prompt.tools does not apply to task: {self.task}; remove it")
+        if self.structured is not None and self.prompt.forced_tool() is not None:
+            raise ValueError("structured does not go with a named prompt.tool_choice, which "
+                             "holds the output to the function's parameters; remove one")
+        return self
+
+    @model_validator(mode="after")
     def _output_column_free(self) -> JobConfig:
         if self.output.column in columns.GENERATED:
             raise ValueError(
@@ -216,7 +233,8 @@ class JobConfig(Strict):
                              "choose another name")
         taken = [*columns.GENERATED, columns.REASONING_TOKENS, self.output.column,
                  self.output.parsed_column]
-        for key in ("logprobs_column", "confidence_column", "reasoning_column"):
+        for key in ("logprobs_column", "confidence_column", "reasoning_column",
+                    "tool_calls_column"):
             name = getattr(self.output, key)
             if name is not None and name in taken:
                 raise ValueError(f"output.{key} {name!r} is taken; choose another name")
@@ -236,6 +254,20 @@ class JobConfig(Strict):
     def reasoning_column(self) -> str | None:
         """The thinking's column, with a reasoning parser."""
         return self.output.reasoning_column if self.model.reasoning_parser else None
+
+    def tool_calls_column(self) -> str | None:
+        """The tool calls' column, in a job whose rows have tools."""
+        tools = self.prompt is not None and (self.prompt.tools is not None
+                                             or self.prompt.tools_column is not None)
+        return self.output.tool_calls_column if tools else None
+
+    def parses_output(self) -> bool:
+        """Whether output.parsed_column is written: structured.json_schema, or a named
+        tool_choice whose function has parameters (its arguments, parsed)."""
+        if self.structured is not None and self.structured.json_schema is not None:
+            return True
+        forced = self.prompt.forced_tool() if self.prompt is not None else None
+        return bool(forced and forced["parameters"])
 
     def confidence_column(self) -> str | None:
         """The confidence column, with structured.choice."""
@@ -257,8 +289,10 @@ class JobConfig(Strict):
         if self.task != "generate":
             return self._pooling_columns()
         added = [self.output.column, *columns.GENERATED]
-        if self.structured is not None and self.structured.json_schema is not None:
+        if self.parses_output():
             added.insert(1, self.output.parsed_column)
+        if self.tool_calls_column() is not None:
+            added.insert(added.index(columns.FINISH_REASON), self.tool_calls_column())
         if self.reasoning_column() is not None:  # the thinking after the answer's columns
             added.insert(added.index(columns.FINISH_REASON), self.reasoning_column())
             added.insert(added.index(columns.COMPLETION_TOKENS) + 1, columns.REASONING_TOKENS)

@@ -15,6 +15,15 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def left_out_at_default(out, defaults: dict):
+    """A section's dump without the settings ``defaults`` names where they hold their default."""
+    if isinstance(out, dict):
+        for key, default in defaults.items():
+            if key in out and out[key] == default:
+                del out[key]
+    return out
+
+
 class InputConfig(Strict):
     path: str = Field(description="A Parquet or JSONL file, a directory of them, or a glob.")
     format: Literal["auto", "parquet", "jsonl"] = Field(
@@ -44,6 +53,11 @@ class ModelConfig(Strict):
         "used all of max_tokens (which covers thinking and answer) has no answer: its "
         "error_kind is no_answer, its thinking kept (--retry-errors with a larger max_tokens "
         "runs it again).")
+    tool_parser: str | None = Field(
+        None, description="The model's tool-call parser, one of vLLM's (hermes, llama3_json, "
+        "mistral, ...), as vllm serve --tool-call-parser: needed for tool_choice auto, "
+        "required or a named function (prompt.tools, a Batch line's tools); checked against "
+        "vLLM's list before any engine starts. Not with serve's resident engine.")
     adapters: dict[str, str | None] | None = Field(
         None, description="LoRA adapters on this model, by name: {de: path/to/adapter, ...}, "
         "each a local directory in PEFT's format (adapter_config.json and its weights), "
@@ -65,6 +79,10 @@ class ModelConfig(Strict):
     max_cpu_loras: int | None = Field(
         None, ge=1, description="Adapters an engine keeps loaded in host memory (vLLM's "
         "max_cpu_loras); default: all of model.adapters.")
+
+    @model_serializer(mode="wrap")
+    def _new_left_out(self, dump):
+        return left_out_at_default(dump(self), {"tool_parser": None})  # (as PromptConfig's)
 
     @model_validator(mode="after")
     def _adapters(self) -> ModelConfig:
@@ -138,20 +156,43 @@ class PromptConfig(Strict):
     fetch_image_urls: bool = Field(
         False, description="Fetch images given as http(s) URLs; off, such an image is its "
         "row's image_error.")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Functions the model may call, in OpenAI's shape: [{type: "
+        "function, function: {name, description, parameters: a JSON Schema}}]; the chat "
+        "template lists them, and each row's calls go in output.tool_calls_column "
+        "(docs/guide/tools.md).")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="With tools: auto (the model may call; needs model.tool_parser), "
+        "required (at least one call), none (no call), or a function's name: that function "
+        "is called, its arguments held to its parameters' schema and parsed into "
+        "output.parsed_column as structured output is. Default: auto.")
+    parallel_tool_calls: bool | None = Field(
+        None, description="With tools: false keeps only a row's first call (required: the "
+        "grammar allows one). Default: true.")
+    tools_column: str | None = Field(
+        None, description="A column of each row's own tools, as JSON {tools, tool_choice, "
+        "parallel_tool_calls} (a Batch file's lines; null: prompt.tools).")
 
     @model_serializer(mode="wrap")
     def _auto_left_out(self, dump):
-        """chat_template_content_format: auto is left out of a dump (the job's fingerprint,
-        its record): an output written before the setting existed is the same job's."""
-        out = dump(self)
-        if isinstance(out, dict) and out.get("chat_template_content_format") == "auto":
-            del out["chat_template_content_format"]
-        return out
+        """Settings added later are left out of a dump (the job's fingerprint, its record)
+        at their defaults: an output written before they existed is the same job's."""
+        return left_out_at_default(dump(self), {
+            "chat_template_content_format": "auto", "tools": None, "tool_choice": None,
+            "parallel_tool_calls": None, "tools_column": None})
 
     @model_validator(mode="after")
     def _template_or_messages(self) -> PromptConfig:
         if (self.template is None) == (self.messages_column is None):
             raise ValueError("give exactly one of template, messages_column")
+        if self.tools is None:
+            given = [k for k in ("tool_choice", "parallel_tool_calls")
+                     if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"{given[0]} needs tools (the functions the "
+                                 "model may call)")
+        else:
+            self.tool_spec()  # checked here: a bad tool is one line before any engine starts
         if self.images is not None:
             if not self.images or len(set(self.images)) != len(self.images):
                 raise ValueError("prompt.images: a list of distinct column names")
@@ -159,6 +200,23 @@ class PromptConfig(Strict):
                 raise ValueError("prompt.images goes with a template; a messages_column "
                                  "holds its images as image_url parts")
         return self
+
+    def tool_spec(self) -> str | None:
+        """prompt.tools, tool_choice and parallel_tool_calls as the renderer and the engine
+        read them (udfs/rows/tool_calls.py); None without tools. ValueError names the key."""
+        from udfs.rows.tool_calls import tool_spec
+
+        if self.tools is None:
+            return None
+        return tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def forced_tool(self) -> dict | None:
+        """The function prompt.tool_choice names ({name, parameters}), or None."""
+        from udfs.rows.tool_calls import forced_name, parameters_of, read_spec
+
+        spec = read_spec(self.tool_spec())
+        name = forced_name(spec) if spec is not None else None
+        return None if name is None else {"name": name, "parameters": parameters_of(spec, name)}
 
 
 class SamplingConfig(Strict):
@@ -243,6 +301,9 @@ class OutputConfig(Strict):
     reasoning_column: str = Field(
         "reasoning", description="With model.reasoning_parser: the column of each row's "
         "thinking (null where the model did not think); reasoning_tokens counts it.")
+    tool_calls_column: str = Field(
+        "tool_calls", description="With prompt.tools: the column of each row's tool calls, a "
+        "list of {id, name, arguments (JSON text)}.")
     confidence_column: str | None = Field(
         "confidence", description="With structured.choice: a column with the probability "
         "of the chosen label among the allowed labels, read from the same generation's "
@@ -260,6 +321,10 @@ class OutputConfig(Strict):
     reuse_from: str | None = Field(
         None, description="Reuse the rows of this earlier output instead (a folder, local or "
         "on an object store: yesterday's snapshot); implies reuse.")
+
+    @model_serializer(mode="wrap")
+    def _new_left_out(self, dump):
+        return left_out_at_default(dump(self), {"tool_calls_column": "tool_calls"})
 
 
 class ResourcesConfig(Strict):

@@ -25,7 +25,8 @@ from pipelines.read import (InputPlan, earlier_job, plan_block_rows, read_block,
 from pipelines.reuse.request_key import KeySpec, key_columns, key_parts, step_key_columns
 from pipelines.storage import Location, redact, scrub_record
 from udfs import columns
-from udfs.rows.parsers import StructuredSpec
+from udfs.rows.parsers import SchemaError, StructuredSpec
+from udfs.rows.tool_calls import read_spec
 from udfs.stages.pooler import PoolingSpec
 
 
@@ -90,7 +91,17 @@ def _prompt_variables(config: JobConfig) -> tuple[JobConfig, list[str], PoolingS
 
 
 def _structured(config: JobConfig) -> StructuredSpec | None:
-    """The structured-output spec, its JSON Schema loaded and checked."""
+    """The structured-output spec, its JSON Schema loaded and checked; a named tool_choice's
+    function's parameters are the job's schema (its arguments parsed into a struct)."""
+    forced = config.prompt.forced_tool() if config.prompt is not None else None
+    if forced is not None and forced["parameters"]:
+        spec = StructuredSpec(json_schema=forced["parameters"],
+                              parsed_column=config.output.parsed_column)
+        try:
+            spec.check()
+        except SchemaError as exc:
+            raise ConfigError(f"prompt.tools: {forced['name']}'s parameters: {exc}") from None
+        return spec
     if config.structured is None:
         return None
     return structured_spec(config.structured, config.output.parsed_column)
@@ -141,6 +152,7 @@ def _check_model(config: JobConfig, plan: InputPlan,
         check_engine_args(config.engine.args)
     if config.model.reasoning_parser is not None:
         check_reasoning_parser(config.model.reasoning_parser)
+    check_tools(config)
     if pooling is not None:
         from pipelines.plan.pooling import max_seq_length
 
@@ -153,6 +165,26 @@ def _check_model(config: JobConfig, plan: InputPlan,
                           f"--set sampling.max_tokens={max(1, max_model_len // 2)}) or raise "
                           "model.max_model_len")
     return max_model_len, images
+
+
+def check_tools(config: JobConfig) -> None:
+    """A job's tools can run: a choice other than none needs model.tool_parser, and the
+    in-process engine (the HTTP engine sends no tools yet)."""
+    prompt = config.prompt
+    if config.engine.kind != "vllm" and config.model.tool_parser is not None:
+        raise ConfigError("model.tool_parser needs engine.kind: vllm (the HTTP engine does "
+                          "not parse tool calls yet)")
+    if prompt is None or prompt.tools is None:
+        return
+    if config.engine.kind != "vllm":
+        raise ConfigError("prompt.tools needs engine.kind: vllm (the HTTP engine does not "
+                          "send tools yet)")
+    choice = read_spec(prompt.tool_spec())["tool_choice"]
+    if choice not in (None, "none") and config.model.tool_parser is None:
+        shown = choice if isinstance(choice, str) else choice["function"]["name"]
+        raise ConfigError(f"prompt.tool_choice {shown!r} needs model.tool_parser, the "
+                          "model's tool-call parser (e.g. hermes), as vLLM's server needs "
+                          "--tool-call-parser")
 
 
 def _request_key(config: JobConfig, plan: InputPlan, recorded: dict,

@@ -66,6 +66,7 @@ def render_spec(config: JobConfig, prompt, sampling, max_model_len: int,
         chat_template_kwargs=prompt.chat_template_kwargs,
         images=image_spec(prompt, config.input.path),
         chat_template_content_format=prompt.chat_template_content_format,
+        tools=prompt.tool_spec(), tools_column=prompt.tools_column,
     )
 
 
@@ -78,6 +79,7 @@ def engine_spec(config: JobConfig, prompt, max_model_len: int, images: int,
         **({"reasoning_parser": config.model.reasoning_parser,
             "chat_template_kwargs": prompt.chat_template_kwargs}
            if config.model.reasoning_parser else {}),
+        **({"tool_parser": config.model.tool_parser} if config.model.tool_parser else {}),
     })
     if images and config.engine.kind == "vllm" \
             and "limit_mm_per_prompt" not in config.engine.args:
@@ -94,10 +96,13 @@ def engine_spec(config: JobConfig, prompt, max_model_len: int, images: int,
 def sampling_spec(config: JobConfig, prompt, structured: StructuredSpec | None) -> SamplingSpec:
     """The job's sampling settings, and the columns its generation writes beside the output."""
     s = config.sampling
+    # a named tool_choice: the tools' own constraint holds the output (the engine's tool
+    # parser sets it); its arguments parse as structured output's JSON does
+    forced = prompt.forced_tool() is not None
     return SamplingSpec(
         max_tokens=s.max_tokens, **section_sampling(s),
         key_column=config.input.id_column or columns.ORDINAL,
-        structured=structured.engine_params() if structured else None, n=s.n,
+        structured=structured.engine_params() if structured and not forced else None, n=s.n,
         max_tokens_column=s.max_tokens_column, overrides_column=s.overrides_column,
         logprobs_column=config.logprobs_column(), logprobs=config.output.logprobs,
         confidence_column=config.confidence_column(),
@@ -105,6 +110,9 @@ def sampling_spec(config: JobConfig, prompt, structured: StructuredSpec | None) 
         reasoning_column=config.reasoning_column(),
         **adapter_sampling(config, prompt),
         count_images=config.steps is None and bool(prompt.images),
+        tools=prompt.tool_spec(), tools_column=prompt.tools_column,
+        tool_calls_column=config.tool_calls_column(),
+        check_tool_calls=prompt.tools is not None, arguments_as_text=forced,
     )
 
 

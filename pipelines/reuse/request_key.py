@@ -90,7 +90,8 @@ def key_columns(config, variables: list[str], step_columns: list[list[str]] = ()
     # a prompt's images by their values (bytes, or a path: an image changed in place under
     # the same path is not seen)
     images = [name for prompt in config.prompts() for name in prompt.images or ()]
-    names = [*variables, *images, p.adapter_column, s.max_tokens_column, s.overrides_column]
+    names = [*variables, *images, p.adapter_column, s.max_tokens_column, s.overrides_column,
+             p.tools_column]
     if s.temperature > 0 or s.overrides_column is not None:
         names.append(config.input.id_column or columns.ORDINAL)
     return sorted({n for n in names if n is not None})

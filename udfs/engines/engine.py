@@ -103,6 +103,10 @@ class GenerationRequest(Sampling):
     # takes the request; an image that cannot be used is this request's image_error
     images: tuple[dict, ...] = ()
     image_spec: Any = None  # udfs.rows.images.ImageSpec
+    # The functions the model may call, as JSON: {"tools": [chat-shaped function tools],
+    # "tool_choice": "none" | "auto" | "required" | {"type": "function", "function": {"name"}},
+    # "parallel_tool_calls": bool} (udfs/stages/tool_calls.py); None: no tools
+    tools: str | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,10 @@ class GenerationResult:
     # the prompt's tokens as the engine counted them, where it knows: a prompt's images
     # expanded into their tokens
     prompt_tokens: int | None = None
+    # A request with tools: the calls vLLM's tool parser found, each {id, name, arguments
+    # (JSON text)}; ``text`` is then the content beside them (None: none). [] where it called
+    # none; None for a request without tools
+    tool_calls: list[dict] | None = None
 
 
 def token_logprob(token: str | None, token_id: int | None, logprob: float,

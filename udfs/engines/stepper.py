@@ -170,6 +170,16 @@ class Stepper:
         request = batch.requests[index]
         result = vllm_outputs.result(out, request.logprobs, self.engine.reasoning,
                                      request.chat_template_kwargs)
+        tools = getattr(self.engine, "tools", None)
+        if request.tools and tools is not None:
+            try:
+                result = tools.parse(result, request.tools, out.prompt_token_ids,
+                                     out.outputs[0].token_ids)
+            except Exception as exc:  # noqa: BLE001 - a parser failing on one output: its row's
+                result = GenerationResult(None, None, result.completion_tokens,
+                                          error=f"the tool parser failed on this output: "
+                                                f"{_one_line(exc)}",
+                                          error_kind=ErrorKind.PARSE)
         batch.set(index, result)
         self.requests_done += 1
         self.tokens_finished += result.completion_tokens

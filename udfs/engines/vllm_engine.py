@@ -14,6 +14,7 @@ from udfs.engines.engine import (SAMPLING_FIELDS, WIRE_NAMES, EngineSpec, Genera
                                  GenerationResult)
 from udfs.engines.stepper import Batch, Stepper
 from udfs.engines.vllm_outputs import Reasoning
+from udfs.engines.vllm_tools import ToolCalling
 
 
 def sampling_params_kwargs(req: GenerationRequest) -> dict:
@@ -53,6 +54,10 @@ def _environment_before_vllm(threads: int | None, multiprocessing: bool | None) 
     # worker fight for the cores; in process it starts many times faster.
     if multiprocessing is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    # A named or required tool choice held to the functions' JSON Schemas (vLLM's JSON path),
+    # not to a parser's structural tag, whose free-form arguments the guidance backend does
+    # not take; read when vLLM's tool parser classes are defined. A value given wins.
+    os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
 
 
 def _import_vllm():
@@ -76,12 +81,13 @@ def _lora_requests(adapters: dict) -> dict:
 class VLLMEngine:
     """Options (``spec.options``): max_model_len, dtype, tensor_parallel_size, trust_remote_code,
     kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager, multiprocessing, cpu_threads,
-    structured_outputs, max_logprobs, reasoning_parser, chat_template_kwargs, adapters (LoRA:
-    name -> directory), max_lora_rank, max_loras, max_cpu_loras, args."""
+    structured_outputs, max_logprobs, reasoning_parser, tool_parser, chat_template_kwargs,
+    adapters (LoRA: name -> directory), max_lora_rank, max_loras, max_cpu_loras, args."""
 
     def __init__(self, spec: EngineSpec):
         opts = dict(spec.options)
         reasoning_parser = opts.pop("reasoning_parser", None)
+        tool_parser = opts.pop("tool_parser", None)
         # the chat template's switches, which a reasoning parser may read (enable_thinking)
         self.chat_template_kwargs = opts.pop("chat_template_kwargs", None)
         adapters = opts.pop("adapters", None) or {}
@@ -107,6 +113,7 @@ class VLLMEngine:
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self.reasoning = (Reasoning(self.llm, reasoning_parser, self.chat_template_kwargs)
                           if reasoning_parser else None)
+        self.tools = ToolCalling(self.llm, tool_parser) if tool_parser else None
         self.adapters = _lora_requests(adapters)
 
     def _set_cpu_threads(self, cpu: bool, threads: int | None,
@@ -134,8 +141,10 @@ class VLLMEngine:
         """vLLM's SamplingParams for a request (the stepper adds it with ``prompt``'s)."""
         structured = (self.vllm.sampling_params.StructuredOutputsParams(**req.structured)
                       if req.structured else None)
-        return self.vllm.SamplingParams(**sampling_params_kwargs(req),
-                                        structured_outputs=structured)
+        kwargs = {**sampling_params_kwargs(req), "structured_outputs": structured}
+        if req.tools and self.tools is not None:  # as vLLM's chat server adjusts a request
+            kwargs.update(self.tools.sampling_changes(req.tools))
+        return self.vllm.SamplingParams(**kwargs)
 
     def prompt(self, req: GenerationRequest):
         """vLLM's TokensPrompt for a request, its images decoded into it."""

@@ -258,13 +258,14 @@ class TemplateOnly:
         return self.chat_template
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = True, **kwargs) -> str:
+                            add_generation_prompt: bool = True, tools: list | None = None,
+                            **kwargs) -> str:
         import jinja2
 
         if self._compiled is None:
             self._compiled = _transformers_env().from_string(self.chat_template)
         try:
-            return self._compiled.render(messages=messages, tools=None, documents=None,
+            return self._compiled.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **{**self.special, **kwargs})
         except jinja2.exceptions.UndefinedError as exc:

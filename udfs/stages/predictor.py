@@ -23,6 +23,7 @@ from udfs.columns import ErrorKind
 from udfs.engines.engine import (EngineSpec, GenerationRequest, Sampling,
                                  build_engine, sampling_values)
 from udfs.rows.logprobs import LOGPROBS_TYPE, label_confidence, truncate_top
+from udfs.rows.tool_calls import TOOL_CALLS_TYPE, call_problem, read_spec
 from udfs.stages.memory import release_free_memory
 from udfs.stages.prompts import PromptRenderer, RenderSpec
 from udfs.stages.replica import replica_label
@@ -62,6 +63,18 @@ class SamplingSpec(Sampling):
     adapter_column: str | None = None
     # prompt.images in a one-step job: each row's image count and image tokens as columns
     count_images: bool = False
+    # Tools (udfs/rows/tool_calls.py): the job's tool spec (JSON), or the column of each row's;
+    # the column of the calls each row made
+    tools: str | None = None
+    tools_column: str | None = None
+    tool_calls_column: str | None = None
+    # A table job's calls checked (a call the choice needs, declared names, arguments that
+    # match): a row whose calls fail is its parse_error, its text kept. A Batch file's are
+    # answered as vLLM's server answers them
+    check_tool_calls: bool = False
+    # A named choice: the output column holds the call's arguments, which structured output's
+    # parser reads into the parsed column
+    arguments_as_text: bool = False
 
 
 class RowOverrides(BaseModel):
@@ -144,6 +157,12 @@ def no_answer(result, budget_key: str = "sampling.max_tokens") -> str:
     return f"no answer: the model ended while thinking (finish_reason {result.finish_reason})"
 
 
+def _call_id(key, sample_index: int, call: int) -> str:
+    """A tool call's id, the same in every run: its row's key, sample and place."""
+    digest = hashlib.blake2b(repr((key, sample_index, call)).encode(), digest_size=12)
+    return "call_" + digest.hexdigest()
+
+
 def row_seed(job_seed: int, key, sample_index: int = 0) -> int:
     """A stable 31-bit seed per row and sample, the same in every run and on every replica."""
     digest = hashlib.blake2b(repr((job_seed, key, sample_index)).encode(), digest_size=8)
@@ -176,6 +195,7 @@ class _Outcomes:
     reasoning: list
     reasoning_tokens: list
     prompt_tokens: list | None = None  # set where the engine counts an image's tokens
+    tool_calls: list | None = None  # with tools: each row's calls
 
 
 def _column_or_nones(batch: pa.Table, name: str) -> list:
@@ -239,8 +259,8 @@ class Predictor:
 
     def _request(self, token_ids: list[int], key, sample: int, max_tokens: int | None,
                  messages: str | None, overrides: dict,
-                 adapter: str | None = None, images: list[dict] | None = None
-                 ) -> GenerationRequest:
+                 adapter: str | None = None, images: list[dict] | None = None,
+                 tools: str | None = None) -> GenerationRequest:
         s = self.sampling
         cap = s.max_tokens if max_tokens is None else max(1, min(max_tokens, s.max_tokens))
         schema = overrides.get("json_schema")
@@ -257,6 +277,7 @@ class Predictor:
             adapter=adapter,
             images=tuple(images or ()),
             image_spec=self.renderer.spec.images if images and self.renderer else None,
+            tools=tools,
         )
 
     def _row_sampling(self, overrides: dict, key, sample: int) -> dict:
@@ -339,12 +360,20 @@ class Predictor:
         caps = (batch.column(self.sampling.max_tokens_column).to_pylist()
                 if self.sampling.max_tokens_column else [None] * batch.num_rows)
         messages = _column_or_nones(batch, columns.PROMPT_MESSAGES)
+        tools = self.tools_of(batch)
         todo = [i for i, ids in enumerate(token_ids) if ids is not None]
         results = self.recovery.generate(self.engine, block, [
             self._request(token_ids[i], keys[i], rows.samples[i], caps[i], messages[i],
-                          rows.overrides[i], rows.adapters[i], images[i])
+                          rows.overrides[i], rows.adapters[i], images[i], tools[i])
             for i in todo])
         return todo, results
+
+    def tools_of(self, batch: pa.Table) -> list[str | None]:
+        """Each row's tool spec (JSON; None: no tools): its column's, else the job's."""
+        s = self.sampling
+        if s.tools_column is not None:
+            return [value or s.tools for value in batch.column(s.tools_column).to_pylist()]
+        return [s.tools] * batch.num_rows
 
     def _outcomes(self, rows: _Samples, todo: list[int], results: list,
                   images: list) -> _Outcomes:
@@ -381,7 +410,36 @@ class Predictor:
                 if result.text is None:  # it thought and did not answer: retried with room
                     kinds[i] = ErrorKind.NO_ANSWER
                     errors[i] = no_answer(result, self.sampling.budget_key)
+        if self.sampling.tool_calls_column is not None:
+            self._tool_outcomes(rows, todo, results, out)
         return out
+
+    def _tool_outcomes(self, rows: _Samples, todo: list[int], results: list,
+                       out: _Outcomes) -> None:
+        """Each row's tool calls, with ids of its own (the same in every run); in a table
+        job, a row whose calls do not answer its tools is its parse_error, text kept."""
+        s = self.sampling
+        keys = rows.table.column(s.key_column).to_pylist()
+        specs = self.tools_of(rows.table)
+        out.tool_calls = [None] * rows.table.num_rows
+        for i, result in zip(todo, results):
+            if result.error is not None or result.tool_calls is None:
+                continue
+            calls = [{**call, "id": _call_id(keys[i], rows.samples[i], n)}
+                     for n, call in enumerate(result.tool_calls)]
+            out.tool_calls[i] = calls
+            if s.arguments_as_text and calls:
+                out.text[i] = calls[0]["arguments"]
+            if s.check_tool_calls and out.kinds[i] is None:
+                try:
+                    problem = call_problem(read_spec(specs[i]), calls)
+                except Exception as exc:  # noqa: BLE001 - a schema the checker cannot walk
+                    problem = f"the tool calls could not be checked: {type(exc).__name__}"
+                if problem is not None:
+                    if result.finish_reason == "length":  # the usual cause: say so
+                        problem += (f" (the output was cut at max_tokens, "
+                                    f"{result.completion_tokens} tokens)")
+                    out.kinds[i], out.errors[i] = ErrorKind.PARSE, problem
 
     def _output(self, rows: _Samples, todo: list[int], results: list, out: _Outcomes,
                 images: list) -> pa.Table:
@@ -405,6 +463,9 @@ class Predictor:
         rows_of = lambda value, type_: pa.array([value] * n, type_)  # noqa: E731
         for name, values in self._scores(todo, results, rows.overrides, n):
             batch = batch.append_column(name, values)
+        if self.sampling.tool_calls_column is not None:
+            batch = batch.append_column(self.sampling.tool_calls_column, pa.array(
+                out.tool_calls or [None] * n, TOOL_CALLS_TYPE))
         if self.sampling.reasoning_column is not None:
             batch = (batch.append_column(self.sampling.reasoning_column,
                                          pa.array(out.reasoning, pa.string()))

@@ -19,6 +19,7 @@ from udfs.stages.chat_content import (ContentError, image_placeholder, resolve_c
                                string_content)
 from udfs.columns import ErrorKind, FinishReason
 from udfs.rows.images import ImageSpec
+from udfs.rows.tool_calls import read_spec
 from udfs.stages import row_messages
 from udfs.stages.templates import NullValue, compile_template, render_template
 
@@ -49,6 +50,10 @@ class RenderSpec:
     # how the chat template reads a message's content (udfs/stages/chat_content.py): "auto" as
     # vLLM's chat path tells it from the template, or "string" / "openai"
     chat_template_content_format: str = "auto"
+    # Tools the chat template lists (udfs/rows/tool_calls.py: a tool spec's JSON), as vLLM's
+    # chat path passes them: the job's, or a column of each row's own (null: the job's)
+    tools: str | None = None
+    tools_column: str | None = None
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
@@ -71,6 +76,8 @@ class PromptRenderer:
             self.template, self.variables = None, [spec.messages_column]
         else:
             self.template, self.variables = compile_template(spec.template)
+        if spec.tools_column is not None and spec.tools_column not in self.variables:
+            self.variables = [*self.variables, spec.tools_column]
         self.tokenizer = tokenizer or load_tokenizer(spec.tokenizer, spec.trust_remote_code)
         self.use_chat = spec.chat and bool(getattr(self.tokenizer, "chat_template", None))
         self.content_format = resolve_content_format(
@@ -182,13 +189,22 @@ class PromptRenderer:
     def render_text(self, row: dict, images_count: int = 0) -> str:
         """The prompt as the engine will see it, before tokenization (an image as the chat
         template's placeholder, which the engine expands into the image's tokens)."""
-        return self._text(*self.prompt(row, images_count)[:2])
+        return self._text(*self.prompt(row, images_count)[:2], self.row_tools(row))
 
-    def _text(self, raw: str | None, messages: list[dict] | None) -> str:
+    def row_tools(self, row: dict) -> list[dict] | None:
+        """The tools a row's chat template lists (None: none): its column's, else the job's."""
+        spec = read_spec((row.get(self.spec.tools_column) if self.spec.tools_column else None)
+                         or self.spec.tools)
+        return spec["tools"] if spec is not None else None
+
+    def _text(self, raw: str | None, messages: list[dict] | None,
+              tools: list[dict] | None = None) -> str:
         if raw is not None:
             return raw
+        # tools only where a row has them: a template may tell "no tools" from an empty list
+        extra = {"tools": tools} if tools is not None else {}
         return self.tokenizer.apply_chat_template(self.for_template(messages), tokenize=False,
-                                                  add_generation_prompt=True,
+                                                  add_generation_prompt=True, **extra,
                                                   **(self.spec.chat_template_kwargs or {}))
 
     def for_template(self, messages: list[dict]) -> list[dict]:
@@ -199,13 +215,20 @@ class PromptRenderer:
         out, taken = [], 0
         for message in messages:
             content = message["content"]
+            if content is None:  # an assistant's turn of tool calls alone
+                content = [] if self.content_format == "openai" else ""
             if self.content_format == "openai":
                 if isinstance(content, str):
                     content = [{"type": "text", "text": content}]
             elif isinstance(content, list):
                 content = string_content(content, self.image_mark, taken)
                 taken += sum(part.get("type") == "image" for part in message["content"])
-            out.append({**message, "content": content})
+            message = {**message, "content": content}
+            if "tool_calls" in message:
+                message["tool_calls"] = row_messages.template_tool_calls(message["tool_calls"])
+                if message["tool_calls"] is None:
+                    del message["tool_calls"]
+            out.append(message)
         return out
 
     def image_mark(self, n: int) -> str:
@@ -223,7 +246,8 @@ class PromptRenderer:
     def nulls_handled(self, row: dict) -> tuple[dict | None, str | None]:
         """(the row the template sees, None), or (None, the error naming its first null
         column) where on_null is error."""
-        nulls = [name for name, value in row.items() if value is None]
+        nulls = [name for name, value in row.items()
+                 if value is None and name != self.spec.tools_column]
         if not nulls:
             return row, None
         if self.spec.on_null == "error":
@@ -360,7 +384,11 @@ class PromptRenderer:
             return None, None, None, ErrorKind.RENDER, _line(f"template failed on this row: "
                                                              f"{exc}")
         try:
-            text = self._text(raw, messages)
+            tools = self.row_tools(row)
+        except ValueError as exc:  # a tools column's value that is not a tool spec
+            return None, None, None, ErrorKind.RENDER, _line(f"{self.spec.tools_column}: {exc}")
+        try:
+            text = self._text(raw, messages, tools)
         except ContentError as exc:  # the row's text holds more image placeholders
             return None, None, None, ErrorKind.IMAGE, _line(str(exc))
         except Exception as exc:  # noqa: BLE001 - the model's chat template, on this row

@@ -29,13 +29,45 @@ def messages(value) -> tuple[list[dict], list[dict]]:
     out, found = [], []
     for item in value:
         content = item.get("content") if isinstance(item, dict) else None
+        calls = item.get("tool_calls") if isinstance(item, dict) else None
         if not isinstance(item, dict) or not isinstance(item.get("role"), str) \
-                or not isinstance(content, (str, list)):
+                or not (isinstance(content, (str, list)) or content is None and calls):
             raise ValueError(f"not a {{role, content}} message: {str(item)[:80]}")
         if isinstance(content, list):
             content = [_part(part, found) for part in content]
-        out.append({"role": item["role"], "content": content})
+        message = {"role": item["role"], "content": content}
+        # a conversation's tool turns, the fields vLLM's chat path keeps of them: an
+        # assistant's calls, a tool message's tool_call_id
+        key = TOOL_FIELDS.get(item["role"])
+        if key is not None and item.get(key) is not None:
+            message[key] = item[key]
+        out.append(message)
     return out, found
+
+
+TOOL_FIELDS = {"assistant": "tool_calls", "tool": "tool_call_id"}
+
+
+def template_tool_calls(calls: list) -> list[dict] | None:
+    """An assistant's tool_calls as a chat template reads them, as vLLM's chat path hands
+    them over: each call's arguments an object (JSON text parsed; not an object, or not
+    JSON: {}), none at all where the list is empty. ValueError for a call that is not a
+    function call."""
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise ValueError("an assistant's tool_calls entries must be function calls "
+                             "({type: function, function: {name, arguments}})")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        arguments = arguments if isinstance(arguments, dict) else {}
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out or None
 
 
 def _part(part, found: list[dict]) -> dict:
