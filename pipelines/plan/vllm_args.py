@@ -1,5 +1,6 @@
 """What pre-flight reads of vLLM's arguments, from its source and without importing it:
-``engine.args`` keys and ``model.reasoning_parser`` names checked before any engine starts.
+``engine.args`` keys and ``model.reasoning_parser``/``model.tool_parser`` names checked before
+any engine starts.
 """
 
 from __future__ import annotations
@@ -40,24 +41,50 @@ def check_reasoning_parser(name: str) -> None:
                           f"parsers; {hint}vLLM has: {', '.join(sorted(known))}")
 
 
+def check_tool_parser(name: str) -> None:
+    """model.tool_parser names one of vLLM's tool parsers (read from its source, as the
+    reasoning parsers are): a wrong name is one line listing them, before any engine starts."""
+    known = vllm_tool_parsers()
+    if known is not None and name not in known:
+        import difflib
+
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"model.tool_parser {name!r} is not one of vLLM's tool parsers; "
+                          f"{hint}vLLM has: {', '.join(sorted(known))}")
+
+
 @functools.cache
 def vllm_reasoning_parsers() -> frozenset[str] | None:
     """The names vLLM registers its reasoning parsers under (``vllm/reasoning/__init__.py``,
     ``_REASONING_PARSERS_TO_REGISTER``), read from its source, not imported; None where vLLM
     is not installed here or its source is laid out otherwise."""
+    return _registered_names("reasoning/__init__.py", "_REASONING_PARSERS_TO_REGISTER")
+
+
+@functools.cache
+def vllm_tool_parsers() -> frozenset[str] | None:
+    """The names vLLM registers its tool parsers under (``vllm/tool_parsers/__init__.py``,
+    ``_TOOL_PARSERS_TO_REGISTER``), read from its source, not imported; None where vLLM is
+    not installed here or its source is laid out otherwise."""
+    return _registered_names("tool_parsers/__init__.py", "_TOOL_PARSERS_TO_REGISTER")
+
+
+def _registered_names(path: str, variable: str) -> frozenset[str] | None:
+    """The string keys of the dict literal assigned to ``variable`` in vLLM's ``path``."""
     import ast
     import importlib.util
 
     try:
         spec = importlib.util.find_spec("vllm")
         root = Path(next(iter(spec.submodule_search_locations)))
-        tree = ast.parse((root / "reasoning" / "__init__.py").read_text())
+        tree = ast.parse((root / path).read_text())
     except (AttributeError, StopIteration, TypeError, OSError, SyntaxError, ValueError):
         return None
     for node in tree.body:
         targets = (node.targets if isinstance(node, ast.Assign)
                    else [node.target] if isinstance(node, ast.AnnAssign) else [])
-        if any(isinstance(n, ast.Name) and n.id == "_REASONING_PARSERS_TO_REGISTER"
+        if any(isinstance(n, ast.Name) and n.id == variable
                for n in targets) and isinstance(node.value, ast.Dict):
             names = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
             return frozenset(names) or None

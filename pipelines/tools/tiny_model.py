@@ -43,6 +43,48 @@ THINKING_CHAT_TEMPLATE = (
     "{% else %}<think>\n{% endif %}{% endif %}"
 )
 
+# ``tools=True``: a tool-calling model's markers and template, shaped as Hermes-style models
+# (Qwen2.5, Hermes 2 Pro) have them, so vLLM's ``hermes`` tool parser reads its calls. The
+# markers are added tokens, not special ones (as THINK_TOKENS): one token each, so a job can
+# bias them, and kept in the decoded text whatever skip_special_tokens says.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# A whole call as one more added token: a random model never writes valid call JSON by itself;
+# a request that gives this token a logit bias (``logit_bias: {id: 100}``) makes greedy
+# decoding emit it, a call the parser reads (name "lookup", arguments {"q": "x"}). The bias
+# holds at every step, so the call repeats until max_tokens: one token is one call.
+CANNED_TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
+# The tools, as a system block (after the conversation's own system message, merged into one);
+# an assistant's calls in hermes' markers, each call's arguments through ``tojson`` (vLLM's chat
+# path hands the template a dict, parsed from the request's JSON string); a tool message's
+# result as a turn of its own; every other message as CHAT_TEMPLATE renders it.
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='', rest=messages) %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set ns.system = messages[0]['content'] %}{% set ns.rest = messages[1:] %}{% endif %}"
+    "{% if tools %}"
+    "<|system|>\n{% if ns.system %}{{ ns.system }}\n\n{% endif %}"
+    "You may call these functions:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|end|>\n"
+    "{% elif messages and messages[0]['role'] == 'system' %}"
+    "<|system|>\n{{ ns.system }}<|end|>\n"
+    "{% endif %}"
+    "{% for message in ns.rest %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|assistant|>\n{{ message['content'] or '' }}"
+    "{% for tc in message['tool_calls'] %}"
+    "<tool_call>\n{\"name\": \"{{ tc['function']['name'] }}\", "
+    "\"arguments\": {{ tc['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "<|tool|>\n<tool_response>\n{{ message['content'] }}\n</tool_response><|end|>\n"
+    "{% else %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 # Sizes: "tiny" for tests and the demo (starts in seconds), "bench" for benchmarks, large
 # enough that the engine, not Ray, dominates a CPU run.
 SIZES = {
@@ -73,12 +115,16 @@ def _corpus(n_lines: int, seed: int) -> list[str]:
 
 def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0,
                      labels: list[str] | tuple[str, ...] | None = None,
-                     reasoning: bool = False) -> Path:
+                     reasoning: bool = False, tools: bool = False) -> Path:
     """Write a tokenizer and a random-weight LlamaForCausalLM (float32) to ``out_dir``; with
     ``labels``, a LlamaForSequenceClassification with one output per label; with
     ``reasoning``, a thinking model (``<think>``/``</think>`` tokens and a template that opens
     the thinking; a random model rarely closes it by itself: a job gives ``</think>`` a logit
-    bias, ``sampling.logit_bias``, to make it)."""
+    bias, ``sampling.logit_bias``, to make it); with ``tools``, a tool-calling model for vLLM's
+    ``hermes`` parser (TOOL_TOKENS, TOOLS_CHAT_TEMPLATE, and CANNED_TOOL_CALL as one token
+    for a request to bias). ``reasoning`` and ``tools`` do not combine."""
+    if reasoning and tools:
+        raise ValueError("a tiny model is built with reasoning or with tools, not both")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
@@ -105,7 +151,11 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0,
         # added, not special, as a thinking model's tokenizer has them: the decoded text keeps
         # them (vLLM skips special tokens when it decodes), for the reasoning parser to find
         tokenizer.add_tokens(THINK_TOKENS, special_tokens=False)
-    tokenizer.chat_template = THINKING_CHAT_TEMPLATE if reasoning else CHAT_TEMPLATE
+    if tools:
+        # not special, for the same reason, and hermes matches its markers as text
+        tokenizer.add_tokens(TOOL_TOKENS + [CANNED_TOOL_CALL], special_tokens=False)
+    tokenizer.chat_template = (THINKING_CHAT_TEMPLATE if reasoning
+                               else TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE)
     tokenizer.save_pretrained(out)
 
     config = LlamaConfig(
