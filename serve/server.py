@@ -94,10 +94,11 @@ def load_settings(*, config: str | None, model: str | None, overrides: list[str]
         raise ConfigError(f"serve: --engine {engine}: resident or per-batch")
     if max_running is not None and max_running < 1:
         raise ConfigError(f"serve: --max-running-batches {max_running}: at least 1")
-    if engine == "resident" and (raw.get("model") or {}).get("reasoning_parser"):
-        raise ConfigError("serve: model.reasoning_parser needs --engine per-batch (the "
-                          "resident engine takes requests as the HTTP engine sends them, "
-                          "which does not parse reasoning yet)")
+    for key, what in (("reasoning_parser", "reasoning"), ("tool_parser", "tool calls")):
+        if engine == "resident" and (raw.get("model") or {}).get(key):
+            raise ConfigError(f"serve: model.{key} needs --engine per-batch (the resident "
+                              "engine takes requests as the HTTP engine sends them, which "
+                              f"does not parse {what} yet)")
     return ServeSettings(data_dir=Path(data_dir).resolve(), model=model, config=raw,
                          host=host, port=port, engine=engine,
                          max_running=max_running or (4 if engine == "resident" else 1),

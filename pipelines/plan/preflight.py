@@ -19,7 +19,7 @@ from pipelines.plan.prompt_checks import (check_rows_render, check_template_rend
                                           compile_prompt)
 from pipelines.plan.specs import (JobPlan, engine_spec, render_spec, sampling_spec,
                                   structured_spec)
-from pipelines.plan.vllm_args import check_engine_args, check_reasoning_parser
+from pipelines.plan.vllm_args import check_engine_args, check_reasoning_parser, check_tool_parser
 from pipelines.read import (InputPlan, earlier_job, plan_block_rows, read_block, resolve_files,
                             scan_input)
 from pipelines.reuse.request_key import KeySpec, key_columns, key_parts, step_key_columns
@@ -171,6 +171,8 @@ def check_tools(config: JobConfig) -> None:
     """A job's tools can run: a choice other than none needs model.tool_parser, and the
     in-process engine (the HTTP engine sends no tools yet)."""
     prompt = config.prompt
+    if config.model.tool_parser is not None:
+        check_tool_parser(config.model.tool_parser)
     if config.engine.kind != "vllm" and config.model.tool_parser is not None:
         raise ConfigError("model.tool_parser needs engine.kind: vllm (the HTTP engine does "
                           "not parse tool calls yet)")

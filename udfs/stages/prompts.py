@@ -21,6 +21,7 @@ from udfs.columns import ErrorKind, FinishReason
 from udfs.rows.images import ImageSpec
 from udfs.rows.tool_calls import read_spec
 from udfs.stages import row_messages
+from udfs.stages.chat_tools import normalize_tool_messages
 from udfs.stages.templates import NullValue, compile_template, render_template
 
 
@@ -223,12 +224,9 @@ class PromptRenderer:
             elif isinstance(content, list):
                 content = string_content(content, self.image_mark, taken)
                 taken += sum(part.get("type") == "image" for part in message["content"])
-            message = {**message, "content": content}
-            if "tool_calls" in message:
-                message["tool_calls"] = row_messages.template_tool_calls(message["tool_calls"])
-                if message["tool_calls"] is None:
-                    del message["tool_calls"]
-            out.append(message)
+            out.append({**message, "content": content})
+        if any("tool_calls" in m or m["role"] == "tool" for m in out):  # a tool conversation
+            out = normalize_tool_messages(out, self.content_format)
         return out
 
     def image_mark(self, n: int) -> str:

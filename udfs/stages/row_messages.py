@@ -48,27 +48,6 @@ def messages(value) -> tuple[list[dict], list[dict]]:
 TOOL_FIELDS = {"assistant": "tool_calls", "tool": "tool_call_id"}
 
 
-def template_tool_calls(calls: list) -> list[dict] | None:
-    """An assistant's tool_calls as a chat template reads them, as vLLM's chat path hands
-    them over: each call's arguments an object (JSON text parsed; not an object, or not
-    JSON: {}), none at all where the list is empty. ValueError for a call that is not a
-    function call."""
-    out = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or call.get("type", "function") != "function":
-            raise ValueError("an assistant's tool_calls entries must be function calls "
-                             "({type: function, function: {name, arguments}})")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str) and arguments:
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                arguments = None
-        arguments = arguments if isinstance(arguments, dict) else {}
-        out.append({**call, "function": {**function, "arguments": arguments}})
-    return out or None
-
 
 def _part(part, found: list[dict]) -> dict:
     """One content part as a chat template reads it; an image's source added to ``found``."""
