@@ -53,6 +53,16 @@ def tiny_model() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The real demo model, SmolLM2-135M-Instruct: models/smollm2 where make built it, else
+    built here by the code behind ``overnight demo-model``."""
+    from pipelines.tools.demo_model import build_demo_model, is_complete
+
+    built = REPO / "models" / "smollm2"
+    return str(built if is_complete(built) else build_demo_model(_SCRATCH / "smollm2"))
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 

@@ -3,7 +3,8 @@
 The shipped configs run as they are, on small inputs where meaning still holds, and the tests
 assert floors set from measured numbers (in each test's docstring), well above chance. The
 numbers are printed (`pytest -s`). The model is built once per session by the code behind
-`overnight demo-model`, or taken from models/smollm2 when `make` has built it there.
+`overnight demo-model`, or taken from models/smollm2 when `make` has built it there
+(conftest.py's ``smollm2``).
 """
 
 from __future__ import annotations
@@ -14,21 +15,13 @@ import polars as pl
 import pytest
 
 from pipelines import load_config, run_job
-from pipelines.tools.demo_model import build_demo_model, is_complete
-
-from conftest import REPO, _SCRATCH
+from conftest import REPO
 
 # The product nouns of data/products.parquet whose category is not a matter of taste.
 CATEGORY = {"desk lamp": "lighting", "wool scarf": "clothing", "cotton shirt": "clothing",
             "running shoe": "clothing", "steel bottle": "kitchen", "tea kettle": "kitchen",
             "leather bag": "bags", "backpack": "bags", "phone case": "electronics",
             "USB-C cable": "electronics", "oak chair": "furniture"}
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> str:
-    built = REPO / "models" / "smollm2"
-    return str(built if is_complete(built) else build_demo_model(_SCRATCH / "smollm2"))
 
 
 @pytest.fixture(scope="session")

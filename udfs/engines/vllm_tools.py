@@ -62,9 +62,7 @@ class ToolCalling:
     def parse(self, result: GenerationResult, tools: str, prompt_token_ids,
               token_ids) -> GenerationResult:
         """The output's content and calls, as the chat server's full response has them: the
-        parser's ``parse``; a named choice's call under that name; only the first call where
-        parallel_tool_calls is false; finish_reason "tool_calls" where calls were made and the
-        model stopped (not cut at max_tokens)."""
+        parser's ``parse``; only the first call where parallel_tool_calls is false."""
         if result.text is None:
             return dataclasses.replace(result, tool_calls=[])
         request = self.request(tools)
@@ -78,8 +76,10 @@ class ToolCalling:
             calls = calls[:1]
         found = [{"id": call.id, "name": call.name, "arguments": call.arguments}
                  for call in calls]
+        # "tool_calls" where calls were made: always for auto (as vLLM's server says), else
+        # where the model stopped (a named call cut at max_tokens stays "length")
         finish = result.finish_reason
-        if found and finish == "stop":
+        if found and (finish == "stop" or request.tool_choice == "auto"):
             finish = "tool_calls"
         # no call: the text stays, for the row's error to keep (the parser gives None for
         # an output of white space alone)
