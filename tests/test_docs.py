@@ -66,17 +66,45 @@ def test_the_cli_reference_lists_every_subcommand_and_option():
                 assert f"`{option}`" in text, f"overnight {name} {option} is not in the CLI reference"
 
 
-def test_the_site_builds_strictly_with_both_references(tmp_path):
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    site = tmp_path_factory.mktemp("docs") / "site"
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
                            str(site)], cwd=REPO, capture_output=True, text=True,
                           env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-3000:]
-    config = (site / "reference" / "config" / "index.html").read_text()
+    return site
+
+
+def test_the_site_builds_strictly_with_both_references(site):
+    config = (site / "reference" / "config.html").read_text()
     for anchor in ("inputconfig", "samplingconfig", "outputconfig", "vllmengineconfig"):
         assert f'id="{anchor}"' in config
-    assert "overnight run" in (site / "reference" / "cli" / "index.html").read_text()
-    assert (site / "changelog" / "index.html").exists()
+    assert "overnight run" in (site / "reference" / "cli.html").read_text()
+    assert (site / "changelog.html").exists()
+
+
+def test_the_site_links_files_not_folders_and_loads_nothing_from_the_internet(site):
+    # opened from disk, a link to a folder shows a folder listing, and a script from a CDN is absent
+    for page in site.rglob("*.html"):
+        html = page.read_text()
+        for target in re.findall(r'href="([^"#]*)"', html):
+            if target and not target.startswith(("http://", "https://", "mailto:")):
+                assert not target.endswith("/"), f"{page.name} links to the folder {target}"
+        assert not re.search(r'<script[^>]+src="https?://', html), f"{page.name} loads a remote script"
+
+
+def test_the_search_box_finds_pages_when_the_site_is_opened_from_disk(site, browser):
+    from conftest import wait_until
+
+    browser.get((site / "index.html").as_uri())
+    box = browser.find_element("css selector", "input.md-search__input")
+    browser.execute_script("document.getElementById('__search').click()")
+    wait_until(box.is_displayed)
+    box.send_keys("resume")
+    wait_until(lambda: browser.find_elements("css selector", ".md-search-result__item"))
+    first = browser.find_element("css selector", ".md-search-result__item a").get_attribute("href")
+    assert first.startswith("file://") and first.split("?")[0].endswith("/guide/resume.html")
 
 
 def _nav_pages(nav) -> list[str]:

@@ -212,6 +212,8 @@ def test_a_real_jobs_live_progress_has_an_eta_within_2x_after_the_first_fifth(
     for heading in ("sampled from the replicas as they generate", "Sample rows: input and "
                     "output", "<th>sku</th>", "<th>rewritten</th>", "Replicas"):
         assert heading in page
+    # before the first tokens: what runs, with its own seconds (the phases' unit test above)
+    assert re.search(r"\| loading the model on \d+ replicas? \(\d+ s\) \|", stream.getvalue())
     lines = [line for line in stream.getvalue().splitlines() if " written | generated " in line]
     parsed = []
     for line in lines:
@@ -232,3 +234,73 @@ def test_a_real_jobs_live_progress_has_an_eta_within_2x_after_the_first_fifth(
         assert actual / 2 <= estimate <= actual * 2, (eta, actual, stream.getvalue())
         checked += 1
     assert checked >= 2, stream.getvalue()
+
+
+def test_before_the_first_tokens_the_line_says_what_runs_with_its_own_seconds():
+    """The demo once showed 51 s of `rows 0/300 ... eta --:--` while its engine loaded: each
+    step before the first tokens is named with its own seconds, printed as it begins; the
+    counts' first requests at an engine say the model is loaded; tokens bring the usual line."""
+    clock, stream = Clock(), io.StringIO()
+    progress = Progress(total=300, stream=stream, interval=60.0, clock=clock)
+    progress.requests_total = 300
+    progress.start("out/x")
+    progress.phase("starting Ray")
+    clock.now += 4
+    progress.phase("loading the model on 1 replica")
+    assert stream.getvalue().splitlines()[1].startswith("rows 0/300 (0%) | starting Ray (0 s)")
+    lines = stream.getvalue().splitlines()
+    assert lines[-1] == ("rows 0/300 (0%) | loading the model on 1 replica (0 s) | "
+                         "elapsed 00:04 | eta --:--")
+    clock.now += 12
+    progress.update_live(live(0, 0, 0))  # no engine has reported: still loading
+    assert "loading the model on 1 replica (12 s) | elapsed 00:16 | eta --:--" \
+        in progress.line(clock.now)
+    progress.update_live(live(0, 0, 64))  # requests at an engine, no token yet
+    clock.now += 3
+    assert "| first rows generating (3 s) | elapsed 00:19 | eta --:--" in progress.line(clock.now)
+    progress.update_live(live(0, 50, 64))
+    assert "generated 0/300" in progress.line(clock.now + 1)
+    assert "first rows" not in progress.line(clock.now + 1)
+
+
+def test_a_terminal_gets_the_phase_redrawn_and_a_note_on_a_line_of_its_own():
+    stream = Terminal()
+    progress = Progress(total=10, stream=stream)
+    progress.start("out/x")
+    progress.phase("starting Ray")
+    progress.say("note: something")
+    assert "\r\x1b[2Krows 0/10 (0%) | starting Ray (0 s)" in stream.getvalue()
+    assert "\r\x1b[2Knote: something\n" in stream.getvalue()  # not glued to the redrawn line
+
+
+def fake_proc(root, machine_busy: int, processes: dict[int, tuple[int, int]]) -> None:
+    """A /proc with a first /proc/stat line and ``pid: (parent, ticks)`` processes."""
+    root.mkdir(exist_ok=True)
+    # user nice system idle iowait irq softirq steal: busy split over user and system
+    (root / "stat").write_text(f"cpu  {machine_busy - 10} 0 10 5000 7 0 0 0 0 0\ncpu0 1 2\n")
+    for pid, (parent, ticks) in processes.items():
+        (root / str(pid)).mkdir(exist_ok=True)
+        fields = ["S", str(parent)] + ["0"] * 9 + [str(ticks - 1), "1"] + ["0"] * 30
+        (root / str(pid) / "stat").write_text(f"{pid} (a (weird) name) " + " ".join(fields))
+    (root / "self").mkdir(exist_ok=True)  # not a process id: skipped
+
+
+def test_the_cores_other_processes_use_are_the_machine_less_this_jobs_tree(tmp_path):
+    from pipelines.job.cpu_share import OtherLoad, tree_ticks
+
+    proc = tmp_path / "proc"
+    # 100: the driver; 101 its Ray; 102 an engine under Ray; 200: another user's process
+    job = {100: (1, 50), 101: (100, 100), 102: (101, 300), 200: (1, 1000)}
+    fake_proc(proc, 2000, job)
+    assert tree_ticks(proc, 100) == 450
+    load = OtherLoad(proc=str(proc), root=100, cores=2, ticks_per_s=100)
+    assert load.others_cores(0) is None  # the first reading
+    # 10 s later: the machine did 1500 more ticks busy, the job's tree 600 of them
+    fake_proc(proc, 3500, {**job, 102: (101, 900)})
+    others = load.others_cores(10.0)
+    assert others == pytest.approx(0.9)  # (1500 - 600) ticks / 100 per s / 10 s
+    line = load.busy_line(others, 2)
+    assert line.startswith("note: other processes are using 0.9 of this machine's 2 cores "
+                           "(the engine runs 2 threads)")
+    assert load.busy_line(0.3, 2) is None  # a sliver: nothing said
+    assert OtherLoad(proc=str(tmp_path / "none")).others_cores(1.0) is None  # no /proc: silent

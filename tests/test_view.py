@@ -5,6 +5,7 @@ filters and a row's prompt work, and a row holding markup shows it as text, neve
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -78,6 +79,52 @@ def test_the_rows_of_a_finished_job_appear_and_markup_in_a_row_is_text(page, bro
     browser.find_element(By.ID, "next").click()
     _wait(lambda: browser.find_element(By.ID, "matching").text == "rows 51–60 of 60")
     assert [r[0] for r in _rows(browser)] == [f"Lamp {i}" for i in range(50, 60)]
+
+
+LAYOUT = """
+const lines = el => { const r = document.createRange(); r.selectNodeContents(el);
+  return new Set([...r.getClientRects()].map(b => Math.round(b.top))).size; };
+const heads = [...document.querySelectorAll('#table thead th')];
+return {heads: heads.map(th => th.textContent), widths: heads.map(th => th.offsetWidth),
+        kinds: heads.map(th => th.className),
+        wrapped: [...document.querySelectorAll('#table td.short, #table th')]
+          .filter(el => el.textContent && lines(el) > 1).map(el => el.textContent)};
+"""
+
+
+def test_the_table_gives_the_generated_text_the_room_and_never_breaks_an_id(page, browser):
+    """Issue 59: narrow columns broke words mid-word ("pric e", "SKU- 00001") and the
+    32-character request_key took the generated text's width. Ids, numbers and headers keep
+    to one line, the generated column is the widest, bookkeeping comes last behind a toggle,
+    and an error column only where a row on the page has an error."""
+    from selenium.webdriver.common.by import By
+
+    url, _ = page
+    browser.get(url)
+    _wait(lambda: len(_rows(browser)) == 50)
+    shown = browser.execute_script(LAYOUT)
+    # the row's own columns (its row_id: no id_column here), the text, Lamp 5's error
+    assert shown["heads"] == ["title", "description", "row_id", "rewritten", "error_kind",
+                              "error"], shown
+    assert shown["kinds"][3] == "generated"
+    assert max(shown["widths"]) == shown["widths"][3], shown
+    assert shown["wrapped"] == [], shown
+    parts = re.search(r"· (\d+) (parts?)$", browser.find_element(By.ID, "state").text)
+    assert (parts[2] == "part") == (parts[1] == "1"), parts  # never "1 parts"
+    # the toggle: the bookkeeping columns, after the row's own, each on one line
+    browser.find_element(By.ID, "bookkeeping").click()
+    shown = browser.execute_script(LAYOUT)
+    assert shown["heads"][:4] == ["title", "description", "row_id", "rewritten"], shown
+    assert {"request_key", "finish_reason", "prompt_tokens", "completion_tokens"} \
+        <= set(shown["heads"][4:]), shown
+    assert max(shown["widths"]) == shown["widths"][3], shown
+    assert shown["wrapped"] == [], shown
+    browser.save_screenshot(str(page[1] / "view-bookkeeping.png"))
+    # a page with no error on it has no error columns at all
+    browser.find_element(By.ID, "bookkeeping").click()
+    browser.find_element(By.ID, "next").click()
+    _wait(lambda: browser.find_element(By.ID, "matching").text == "rows 51–60 of 60")
+    assert "error" not in browser.execute_script(LAYOUT)["heads"]
 
 
 def test_filters_and_a_rows_prompt(page, browser):

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from pipelines.config import JobConfig
 from pipelines.errors import JobError, OutputError, StageError, one_line, root_cause
+from pipelines.job.cpu_share import OtherLoad
 from pipelines.job.progress import Progress
 from pipelines.job.resources import (LIGHT_STAGE_CPUS, ReplicaPlan, check_paths_shared,
                                      plan_replicas, ray_session)
@@ -175,6 +176,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         todo = _rows_to_run(plan, done, only_rows)
     _start_progress(config, plan, store, progress, todo, retry_errors)
     times = RunTimes(started)  # this run's part records, added up: replicas, times
+    progress.phase("starting Ray")
     with ray_session(config.resources.address, verbose=verbose):
         ray_ready = time.time()
         recovery, samples = _generate(config, plan, store, layout, done, only_rows, progress,
@@ -264,9 +266,18 @@ def _generate(config: JobConfig, plan: JobPlan, store: OutputStore, layout: Part
     check_paths_shared([os.path.abspath(loc.path) for loc in (*plan.input.files,
                                                                store.staging) if loc.local])
     _quiet_ray_data(verbose)
-    health = _Health(plan.config.engine.max_restarts, progress)
+    replicas = plan_replicas(plan.config)
+    # the cores of this machine, where the engines run on it (not a cluster's elsewhere)
+    local = config.resources.address is None and config.engine.kind != "http"
+    # (a CPU engine's threads are its cores; a GPU engine's are not counted, only the others')
+    health = _Health(plan.config.engine.max_restarts, progress, check_cores=local,
+                     engine_cores=(replicas.cpu_threads or 0) * replicas.replicas or None)
     ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name,
                        others=not retry_errors, from_step=from_step)
+    n = replicas.replicas
+    progress.phase(f"starting {n} replica{'s' if n != 1 else ''} of the server client"
+                   if config.engine.kind == "http" else
+                   f"loading the model on {n} replica{'s' if n != 1 else ''}")
     try:
         # watch(): a job that writes nothing for a while says what it waits for
         for batch in watch(ds.iter_batches(batch_size=None, batch_format="pyarrow"),
@@ -388,6 +399,7 @@ def job_metadata(plan: JobPlan) -> dict:
 
 
 MAX_SAMPLES = 1000  # the report's throughput-over-time samples, at most about
+OTHERS_EVERY = 10  # polls between two readings of the cores other processes use
 
 
 class _Health:
@@ -395,7 +407,8 @@ class _Health:
     read every ``every`` seconds into the progress line and the report's samples; its summary
     of engine deaths once the job ends."""
 
-    def __init__(self, max_restarts: int, progress: Progress, every: float = 1.0):
+    def __init__(self, max_restarts: int, progress: Progress, every: float = 1.0,
+                 check_cores: bool = False, engine_cores: float | None = None):
         import uuid
 
         import ray
@@ -407,6 +420,11 @@ class _Health:
             name=self.name, num_cpus=0, lifetime=None).remote(max_restarts)
         self.samples: list[dict] = []  # {"t": Unix seconds, "tokens": generated so far}
         self._stop = threading.Event()
+        # engines on this machine: whether other processes share its cores, said once
+        self.others = OtherLoad() if check_cores else None
+        if self.others is not None:
+            self.others.others_cores(0)  # the first reading, to count from
+        self.engine_cores = engine_cores
         self._poller = threading.Thread(target=self._poll, args=(progress, every),
                                         name="overnight-progress", daemon=True)
         self._poller.start()
@@ -414,7 +432,15 @@ class _Health:
     def _poll(self, progress: Progress, every: float) -> None:
         import ray
 
+        polls = 0
         while not self._stop.wait(every):
+            polls += 1
+            if self.others is not None and polls % OTHERS_EVERY == 0:
+                line = self.others.busy_line(self.others.others_cores(OTHERS_EVERY * every),
+                                             self.engine_cores)
+                if line is not None:
+                    progress.say(line)
+                    self.others = None  # once
             try:
                 counts = ray.get(self.actor.snapshot.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - Ray going away: the job's own error says why

@@ -24,6 +24,10 @@ that the line says what it waits for: a first seconds' rate is far off. The rows
 the ones this run generates (a ``--retry-errors`` run's: the rows with errors), never more
 than 100% of them.
 
+Before the first tokens the line says what the job is doing instead (``phase``: starting Ray,
+loading the model, the first rows generating), with that step's own seconds: an engine's start
+takes a minute where the rows take none.
+
 On a terminal one line is redrawn in place; in a log file (stdout not a TTY) a plain line is
 printed every ``interval`` seconds instead of a flood of carriage returns.
 """
@@ -41,6 +45,7 @@ ETA_MIN_SHARE = 0.05  # ...or this share of them
 ETA_MIN_SECONDS = 5.0  # and this long generating
 ETA_GAP_S = 2.0  # two estimates at least this far apart...
 ETA_AGREE = 0.25  # ...that agree within this share
+FIRST_ROWS = "first rows generating"  # the phase once requests are at an engine, before tokens
 
 
 class EtaGate:
@@ -98,12 +103,23 @@ class Progress:
         self.moved_at = 0.0
         self.finished = False
         self.gate = EtaGate()
+        self.phase_text, self.phase_since = "", 0.0  # what runs before the first tokens
 
     def start(self, output: str, already: int = 0) -> None:
         self.start_time = self.last_print = self.clock()
         self.already = self.done = already
         self._emit(f"overnight: {self.total} rows -> {output}"
                    + (f" (resuming: {already} already written)" if already else ""))
+
+    def phase(self, text: str) -> None:
+        """What the job is doing until its first tokens (starting Ray, loading the model): the
+        line shows it with its own seconds, printed at once (a step begun is news)."""
+        with self.lock:
+            now = self.clock()
+            self.phase_text, self.phase_since = text, now
+            if self.done < self.total:
+                self.last_print = now
+                self._emit(self.line(now), redraw=self.tty)
 
     def say(self, text: str) -> None:
         """A line of its own (what a run found before it starts)."""
@@ -135,6 +151,9 @@ class Progress:
             if self.live is None or counts.get("tokens", 0) > self.live.get("tokens", 0):
                 self.moved_at = now
             self.live = counts
+            if not counts.get("tokens") and counts.get("requests_seen") \
+                    and self.phase_text != FIRST_ROWS:  # at an engine: its model is loaded
+                self.phase_text, self.phase_since = FIRST_ROWS, now
             if self.live_first is None and counts.get("tokens"):
                 self.live_first = (now, counts["tokens"])
             if self.live_first is not None:
@@ -148,7 +167,14 @@ class Progress:
     def line(self, now: float) -> str:
         if self.live is not None and self.live_first is not None:
             return self._live_line(now)
+        if self.phase_text and self.first is None:
+            return self._phase_line(now)
         return self._parts_line(now)
+
+    def _phase_line(self, now: float) -> str:
+        """Before any tokens or rows: what runs, for how long; no rate, so no ETA."""
+        return (f"{self._rows()} | {self.phase_text} ({now - self.phase_since:.0f} s) | "
+                f"elapsed {_clock(now - self.start_time)} | eta --:--")
 
     def _live_line(self, now: float) -> str:
         live = self.live
@@ -218,7 +244,9 @@ class Progress:
     def _emit(self, text: str, redraw: bool = False) -> None:  # with the lock held
         if not self.enabled:
             return
-        self.stream.write(("\r\x1b[2K" + text) if redraw else text + "\n")
+        # a line of its own on a terminal first clears the line redrawn there
+        clear = "\r\x1b[2K" if self.tty else ""
+        self.stream.write((clear + text) if redraw else clear + text + "\n")
         self.stream.flush()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from pipelines.report.report_text import report_lines
+from pipelines.report.report_text import replica_hardware, report_lines
 
 
 def render_html(report: dict) -> str:
@@ -29,22 +29,34 @@ def render_html(report: dict) -> str:
         charts.append(_svg_bars("Throughput over time (output tokens/s, per part written)",
                                 _rates(timeline, report["time"]["startup_s"]), "tok/s"))
     table = "\n".join(html.escape(line) for line in report_lines(report))
-    tables = "".join([_html_table("Sample rows: input and output", report.get("sample_rows")),
+    tables = "".join([_html_table("Sample rows: input and output", report.get("sample_rows"),
+                                  generated=report.get("output_column")),
                       _html_table("Errors by kind", [
                           {"kind": k, "rows": e["count"],
                            "example ids": ", ".join(map(str, e["examples"]))}
                           for k, e in report["rows"]["errors_by_kind"].items()]),
                       _html_table("Steps", report.get("steps")),
-                      _html_table("Replicas", (report.get("throughput") or {}).get(
-                          "per_replica"))])
+                      _html_table("Replicas", [
+                          {"replica": n, "machine": r.get("node"), "ran on": replica_hardware(r),
+                           "rows": r["rows"], "output tokens": f"{r['output_tokens']:,}",
+                           "seconds": r.get("seconds"),
+                           "tok/s": f"{r['output_tokens_per_s']:,.0f}"}
+                          for n, r in enumerate((report.get("throughput") or {}).get(
+                              "per_replica") or [], 1)])])
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>overnight report: {html.escape(report['output'])}</title>
 <style>
-body {{ font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; max-width: 60em; }}
-pre {{ background: #f6f6f4; padding: 1em; white-space: pre-wrap; }}
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }}
+/* the text report is a table in text: its lines kept whole (the block scrolls if it must) */
+pre {{ background: #f6f6f4; padding: 1em; white-space: pre; overflow-x: auto;
+  width: max-content; max-width: 100%; box-sizing: border-box; }}
 svg {{ display: block; margin: 1.5em 0; }}
 table {{ border-collapse: collapse; margin: 1em 0 2em; font-size: 13px; }}
-th, td {{ border: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }}
+th, td {{ border: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top;
+  word-break: normal; overflow-wrap: break-word; }}
+/* ids, numbers, headers: one line, never broken inside; long text wraps between words */
+th, td.short {{ white-space: nowrap; }}
+td.text {{ min-width: 12em; max-width: 28em; }} td.generated {{ min-width: 24em; max-width: 48em; }}
 th {{ background: #f0f0ec; }}
 .bar {{ fill: #4a7ab7; }} .axis {{ stroke: #888; }} text {{ font-size: 11px; fill: #333; }}
 </style></head><body>
@@ -56,13 +68,25 @@ th {{ background: #f0f0ec; }}
 """
 
 
-def _html_table(title: str, rows: list[dict] | None) -> str:
+SHORT = 32  # a column whose values are all this short (ids, numbers) keeps to one line
+BOOKKEEPING = ("request_key", "error")  # a sample row's bookkeeping: last, and only if filled
+
+
+def _html_table(title: str, rows: list[dict] | None, generated: str | None = None) -> str:
+    """A table with the generated column given the room: the row's own columns, the
+    generated text, then bookkeeping where any row has it."""
     if not rows:
         return ""
+    cell = lambda v: "" if v is None else str(v)  # noqa: E731
     heads = list(dict.fromkeys(k for row in rows for k in row))
-    cell = lambda v: "" if v is None else html.escape(str(v))  # noqa: E731
-    body = "".join("<tr>" + "".join(f"<td>{cell(row.get(h))}</td>" for h in heads) + "</tr>"
-                   for row in rows)
+    kept = [h for h in heads if h in BOOKKEEPING and any(cell(r.get(h)) for r in rows)]
+    heads = [h for h in heads if h not in BOOKKEEPING and h != generated] \
+        + ([generated] if generated in heads else []) + kept
+    kinds = {h: "generated" if h == generated else "short" if all(
+        len(cell(r.get(h))) <= SHORT and "\n" not in cell(r.get(h)) for r in rows) else "text"
+        for h in heads}
+    body = "".join("<tr>" + "".join(f'<td class="{kinds[h]}">{html.escape(cell(row.get(h)))}'
+                                    "</td>" for h in heads) + "</tr>" for row in rows)
     return (f"<h2>{html.escape(title)}</h2><table><tr>"
             + "".join(f"<th>{html.escape(h)}</th>" for h in heads) + f"</tr>{body}</table>")
 

@@ -61,6 +61,16 @@ def _token_lines(report: dict) -> list[str]:
     return lines
 
 
+def replica_hardware(replica: dict) -> str:
+    """What a replica ran on, in words: its GPUs, else its CPU threads (Ray's node and actor
+    ids stay in the report's JSON)."""
+    gpus = replica.get("gpus") or []
+    if gpus:
+        return f"GPU{'s' if len(gpus) > 1 else ''} {','.join(map(str, gpus))}"
+    threads = replica.get("cpu_threads")
+    return f"no GPU: {threads} CPU threads" if threads else "no GPU"
+
+
 def _time_lines(report: dict) -> list[str]:
     """The time split, the engines' idle time, the throughput overall and per replica (a run's
     report only: one rebuilt from the output has no times)."""
@@ -84,11 +94,8 @@ def _time_lines(report: dict) -> list[str]:
                  f"throughput   {th['rows_per_s']:,.1f} rows/s, "
                  f"{th['prompt_tokens_per_s']:,.0f} prompt tok/s (no output tokens: a "
                  "pooling task)")
-    for r in th["per_replica"]:
-        gpus = ",".join(r["gpus"]) or (f"- ({r['cpu_threads']} CPU threads)"
-                                       if r.get("cpu_threads") else "-")
-        lines.append(f"  replica {r['node']} node {r.get('node_id')} actor {r['actor']} "
-                     f"gpus {gpus}"
+    for number, r in enumerate(th["per_replica"], 1):
+        lines.append(f"  replica {number} on {r['node']} ({replica_hardware(r)})"
                      + (f", {r['dtype']}" if r.get("dtype") else "") + ": "
                      f"{r['rows']} rows, {r['output_tokens']:,} tok, "
                      f"{r['output_tokens_per_s']:,.0f} tok/s")

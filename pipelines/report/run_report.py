@@ -64,6 +64,7 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
     if timings and times is not None:
         _add_times(report, timings, times, samples)
     report["sample_rows"] = _sample_rows(output, config, key)
+    report["output_column"] = (config.get("output") or {}).get("column", "generated")
     return report
 
 

@@ -3,6 +3,13 @@
 let offset = 0;
 const LIMIT = 50;
 let lastTokens = null;
+let outputColumn = null;  // the generated text's column: the widest
+let lastBody = null;  // the page of rows shown, redrawn when the bookkeeping toggle changes
+// A row's bookkeeping: shown last, and only behind the toggle (an error only where a row has one)
+const BOOKKEEPING = new Set(["request_key", "finish_reason", "prompt_tokens", "completion_tokens",
+  "reasoning_tokens", "error_kind", "error", "image_count", "image_tokens", "dropped_by"]);
+const STEP_BOOKKEEPING = /_(finish_reason|prompt_tokens|completion_tokens|reasoning_tokens)$/;
+const SHORT = 32;  // a column whose values are all this short (ids, numbers) never wraps
 // `overnight view OUT`: the job's data at /api. Under `overnight serve`, /ui/batches/ID is a
 // batch's job, its data behind the key the batches page (/ui) keeps in this tab.
 const BATCH = (location.pathname.match(/^\/ui\/batches\/([^/]+)$/) || [])[1];
@@ -39,7 +46,9 @@ async function status() {
   }
   text("output", s.output);
   const batch = s.batch ? `batch ${s.batch.status} · ` : "";
-  text("state", `${batch}${s.state || "?"} · model ${s.model || "?"} · ${s.parts} parts`);
+  outputColumn = s.output_column || null;
+  text("state", `${batch}${s.state || "?"} · model ${s.model || "?"} · ` +
+    `${s.parts} part${s.parts === 1 ? "" : "s"}`);
   text("rows", `${s.rows_done.toLocaleString()} / ${s.rows_total.toLocaleString()}`);
   document.getElementById("done-bar").style.width =
     `${Math.min(100, 100 * s.rows_done / Math.max(s.rows_total, 1))}%`;
@@ -83,9 +92,37 @@ async function rows() {
   const error = document.getElementById("rows-error");
   error.hidden = response.ok;
   if (!response.ok) { error.textContent = problem(body); return; }
+  lastBody = body;
+  draw(body);
+  const last = Math.min(body.offset + body.rows.length, body.matching);
+  text("matching", body.matching ? `rows ${body.offset + 1}–${last} of ${body.matching.toLocaleString()}` : "no rows");
+}
+
+function isBookkeeping(name) { return BOOKKEEPING.has(name) || STEP_BOOKKEEPING.test(name); }
+
+// The columns in the order a person reads them: the row's own, the generated text, then
+// bookkeeping (behind the toggle; an error column only where a row on the page has one).
+function layout(body) {
+  const all = document.getElementById("bookkeeping").checked;
+  const index = body.columns.map((name, at) => ({name, at}));
+  const filled = c => body.rows.some(row => row[c.at] !== null && row[c.at] !== "");
+  const mine = index.filter(c => !isBookkeeping(c.name));
+  const kept = index.filter(c => isBookkeeping(c.name) &&
+    (all || ((c.name === "error" || c.name === "error_kind") && filled(c))));
+  return [...mine, ...kept].map(c => {
+    const values = body.rows.map(row => row[c.at] === null ? "" : String(row[c.at]));
+    const short = values.every(v => v.length <= SHORT && !v.includes("\n"));
+    c.kind = c.name === outputColumn ? "generated" : short ? "short" : "text";
+    return c;
+  });
+}
+
+function draw(body) {
+  const columns = layout(body);
   const head = document.querySelector("#table thead tr");
-  head.replaceChildren(...body.columns.map(c => {
-    const th = document.createElement("th"); th.textContent = c; return th;
+  head.replaceChildren(...columns.map(c => {
+    const th = document.createElement("th"); th.textContent = c.name; th.className = c.kind;
+    return th;
   }));
   const errorAt = body.columns.indexOf("error");
   const tbody = document.querySelector("#table tbody");
@@ -93,16 +130,16 @@ async function rows() {
     const tr = document.createElement("tr");
     if (errorAt >= 0 && row[errorAt] !== null) tr.className = "failed";
     tr.dataset.offset = body.offset + i;
-    for (const value of row) {
+    for (const c of columns) {
       const td = document.createElement("td");
+      const value = row[c.at];
       td.textContent = value === null ? "" : String(value);
+      td.className = c.kind;
       tr.appendChild(td);
     }
     tr.addEventListener("click", () => prompt(body.offset + i));
     return tr;
   }));
-  const last = Math.min(body.offset + body.rows.length, body.matching);
-  text("matching", body.matching ? `rows ${body.offset + 1}–${last} of ${body.matching.toLocaleString()}` : "no rows");
 }
 
 async function prompt(at) {
@@ -123,6 +160,9 @@ document.addEventListener("DOMContentLoaded", async () => {
     offset = Math.max(0, offset - LIMIT); rows();
   });
   document.getElementById("next").addEventListener("click", () => { offset += LIMIT; rows(); });
+  document.getElementById("bookkeeping").addEventListener("change", () => {
+    if (lastBody) draw(lastBody);
+  });
   let s = await status();
   await rows();
   setInterval(async () => {
