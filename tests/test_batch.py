@@ -515,7 +515,7 @@ def test_responses_lines_equal_the_same_requests_as_chat_completions(tiny_model,
     """/v1/responses lines beside their chat twins in one file: the same greedy text, in the
     Responses API's shape (the openai client's Response model parses each body), an
     incomplete status where max_output_tokens ran out, a json_schema text.format honoured,
-    and a field overnight cannot honour (tools) the request's error naming it."""
+    and a field overnight cannot honour (a web_search tool) the request's error naming it."""
     from openai.types.responses import Response
 
     chats = [*GREEDY_CHAT[:3], chat("schema", "Describe a box as JSON.", max_tokens=60,

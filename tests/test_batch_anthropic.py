@@ -67,9 +67,11 @@ def openai_line(request: dict) -> dict:
 USER = [{"role": "user", "content": "hi"}]
 # line -> (custom_id, a piece of its errored result's message); each a cause of its own
 BAD = {
+    # client tools run (tests/test_batch_tools.py); a server tool cannot
     "tools": ({"custom_id": "tools", "params": {"model": "m", "max_tokens": 4, "messages": USER,
-                                                "tools": [{"name": "f", "input_schema": {}}]}},
-              "params.tools: not supported by overnight"),
+                                                "tools": [{"type": "web_search_20250305",
+                                                           "name": "web_search"}]}},
+              "params.tools[0].type: 'web_search_20250305' is a server tool"),
     "document": ({"custom_id": "document", "params": {"model": "m", "max_tokens": 4,
                                                       "messages": [
         {"role": "user", "content": [{"type": "document", "source": {

@@ -110,8 +110,8 @@ def test_anthropics_client_runs_message_batches_equal_to_the_openai_results(serv
     client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key=KEY,
                                  max_retries=0)
     requests = _message_requests(12, "m")
-    tools = {"custom_id": "tools", "params": {**requests[0]["params"],
-                                              "tools": [{"name": "x", "input_schema": {}}]}}
+    tools = {"custom_id": "tools", "params": {**requests[0]["params"], "tools": [
+        {"type": "web_search_20250305", "name": "web_search"}]}}  # a server tool: refused
     created = client.messages.batches.create(requests=[*requests, tools])
     assert created.type == "message_batch" and created.processing_status == "in_progress"
     assert created.id.startswith("msgbatch_") and created.results_url is None
@@ -135,7 +135,8 @@ def test_anthropics_client_runs_message_batches_equal_to_the_openai_results(serv
     results = {r.custom_id: r.result for r in client.messages.batches.results(created.id)}
     assert sorted(results) == sorted([*(r["custom_id"] for r in requests), "tools"])
     assert results["tools"].type == "errored"
-    assert "params.tools" in results["tools"].error.error.message
+    assert "params.tools[0].type: 'web_search_20250305' is a server tool" \
+        in results["tools"].error.error.message
     expected = {line["custom_id"]: line["response"]["body"] for line in lines_of(
         openai_client, wait(openai_client, openai_batch.id)[-1].output_file_id)}
     for r in requests:

@@ -98,7 +98,8 @@ def result_line(samples: list[dict], model: str, created: int, token_bytes) -> B
                                                              for s in samples))}
         return _answer(custom_id, line, body)
     if first[KIND] == responses.KIND:  # n is always 1
-        return _answer(custom_id, line, responses.result_body(first, model, created))
+        return _answer(custom_id, line, responses.result_body(first, model, created,
+                                                              chat_message(first)))
     chat = first[KIND] == "chat"
     # a thinking model (model.reasoning_parser): the thinking beside the answer, as vLLM's
     # server names it (message.reasoning), and its tokens in the usage

@@ -103,7 +103,8 @@ def parse_request(raw: str, default_max_tokens: int | None, max_model_len: int,
     custom_id = data.get("custom_id")
     try:
         if fmt == anthropic.FORMAT:
-            row = {CUSTOM_ID: custom_id, **anthropic.parse_line(data, Reject, max_model_len)}
+            row = {CUSTOM_ID: custom_id, **anthropic.parse_line(data, Reject, max_model_len,
+                                                                   tool_parser)}
         elif anthropic.is_anthropic(data):
             raise Reject("invalid_request", "a Message Batches line (custom_id, params) in "
                          "an OpenAI Batch file; put it in a file of its own")
@@ -149,7 +150,7 @@ def _parse(data: dict, default_max_tokens: int | None, max_model_len: int,
     if line.url == responses.URL:  # pipelines/batchfile/responses.py
         return {CUSTOM_ID: line.custom_id, **responses.parse_body(
             line.body, Reject, default_max_tokens, max_model_len, _content,
-            _response_format)}
+            _response_format, tool_parser)}
     kind = URLS.get(line.url)
     if kind is None:
         raise Reject("invalid_url", f"url {line.url!r} is not supported; use one of "

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.batchfile import anthropic
-from pipelines.batchfile.envelopes import jsonl, result_line, unfinished_error
+from pipelines.batchfile.envelopes import chat_message, jsonl, result_line, unfinished_error
 from pipelines.batchfile.lines import CUSTOM_ID, LINE, MODEL, Reject, load_line, numbered_lines
 from pipelines.storage import Location
 from pipelines.write import list_parts, write_atomically
@@ -141,7 +141,7 @@ def _write_anthropic(job_output: Path, rejected: Path, results: Path, token: str
                     adapter = row.get(MODEL)
                     yield row[LINE], anthropic.succeeded(
                         row, adapter if adapter in adapters else model,
-                        thinking=columns.REASONING_TOKENS in row)
+                        thinking=columns.REASONING_TOKENS in row, message=chat_message(row))
 
     def refused():
         with open(rejected, encoding="utf-8") as lines:
