@@ -4,6 +4,11 @@ complete, a misspelt key or column suggests the close match, a bad ``--set`` is 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import yaml
 
 from conftest import cli, job_config, one_line_error, write_jsonl
@@ -11,6 +16,7 @@ from pipelines.config import load_config
 from pipelines.plan.preflight import plan_job
 from pipelines.write import OutputStore
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"title": f"Lamp {i}", "description": f"light {i}"} for i in range(3)]
 
 
@@ -153,3 +159,21 @@ def test_validate_says_how_small_blocks_relate_to_batch_size(tiny_model, tmp_pat
     assert code == 0
     first = out.splitlines()[0]
     assert first.endswith("blocks of up to 8 rows, each committed as it is done"), first
+
+
+# -- a quiet start
+
+
+def test_ray_starts_without_its_log_level_notice():
+    """RAY_BACKEND_LOG_LEVEL keeps Ray's C++ core lines off the terminal, but Ray prints that
+    it is set ("logging.cc:303: Set ray log level ..."): that line alone is dropped."""
+    script = ("import sys\n"
+              "from pipelines.job.resources import ray_session\n"
+              "print('before', file=sys.stderr, flush=True)\n"
+              "with ray_session():\n"
+              "    print('inside', file=sys.stderr, flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_BACKEND_LOG_LEVEL"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == ["before", "inside"], result.stderr
