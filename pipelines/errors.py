@@ -24,6 +24,11 @@ class OutputError(JobError):
     """The output path cannot be written as asked (exists, belongs to another job...)."""
 
 
+class AlreadyComplete(OutputError):
+    """The output is a finished run of this same job and --overwrite was not given: nothing
+    to do. The command line says so and exits 0; from Python it is an OutputError."""
+
+
 class StageError(JobError):
     """A stage of the running job failed (an engine that would not start or died, a part
     that could not be written). The parts already written are kept: a re-run resumes."""
@@ -104,3 +109,12 @@ def one_line(exc: BaseException, limit: int | None = 300, typed: bool = False) -
                                   RecursionError)):
         text = f"{type(exc).__name__}: {text}"
     return text if limit is None else text[:limit]
+
+
+def did_you_mean(name: object, choices) -> str:
+    """`` (did you mean 'temperature'?)`` where one of ``choices`` is close to ``name`` (a
+    misspelt key or column), else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

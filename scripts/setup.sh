@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install overnight with the vLLM build for this machine. Safe to re-run; does
+# Create .venv and install overnight with the vLLM build for this machine, and what builds the
+# demo model (the `demo` extra; `make test` adds the `test` extra itself). Safe to re-run; does
 # nothing when up to date.
 #   gpu   NVIDIA (nvidia-smi lists a GPU): `vllm` from PyPI, the CUDA build.    Python 3.11-3.14
 #   rocm  AMD (rocm-smi answers): vLLM's ROCm wheel for the ROCm version found,
@@ -134,7 +135,7 @@ PY
 pip_args=()
 case $OVERNIGHT_BUILD in
   gpu)
-    pip_args=(-e ".[gpu,test]")
+    pip_args=(-e ".[gpu,demo]")
     detail="vllm==$VLLM_VERSION (PyPI, CUDA build)"
     ;;
   rocm)
@@ -158,12 +159,12 @@ case $OVERNIGHT_BUILD in
     index="$ROCM_INDEX/$VLLM_VERSION/$variant"
     # The exact version with its variant: pip merges the extra index with PyPI, and PyPI's
     # vllm of the same release is the CUDA build (vLLM's guide says the same for pip).
-    pip_args=(-e ".[test]" "vllm==$VLLM_VERSION+$variant" --extra-index-url "$index")
+    pip_args=(-e ".[demo]" "vllm==$VLLM_VERSION+$variant" --extra-index-url "$index")
     detail="vllm==$VLLM_VERSION+$variant for ROCm $rocm ($index)"
     say "ROCm $rocm: vLLM's $variant wheel, from $index"
     ;;
   cpu)
-    pip_args=(-e ".[cpu,test]")
+    pip_args=(-e ".[cpu,demo]")
     # Only where pip cannot find that torch already: an index pip cannot reach costs it five
     # retries (~7 s) for every package it looks up, and a local mirror should change nothing.
     if [ -n "${OVERNIGHT_TORCH_INDEX_URL+set}" ]; then

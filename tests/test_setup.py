@@ -112,13 +112,13 @@ def test_nvidia_gpu_installs_the_cuda_build_from_pypi(machine):
     assert result.returncode == 0, result.stderr
     assert f"+ {sys.executable} -m venv {machine.venv}" in result.stdout
     install = _pip_install(result)
-    assert install.endswith("-m pip install -q -e '.[gpu,test]'")
+    assert install.endswith("-m pip install -q -e '.[gpu,demo]'")
     assert "uninstall" not in result.stdout
 
 
 def test_forced_build_cuda_is_the_nvidia_build(machine):
     result = machine.setup(OVERNIGHT_BUILD="cuda")
-    assert _pip_install(result).endswith("-e '.[gpu,test]'")
+    assert _pip_install(result).endswith("-e '.[gpu,demo]'")
 
 
 def test_a_venv_holding_another_build_is_not_installed_over(machine):
@@ -142,7 +142,7 @@ def test_amd_gpu_installs_vllms_rocm_wheel_for_the_rocm_version_found(machine, r
     result = machine.setup(PYTHON="python3.12", OVERNIGHT_ROCM_INDEX=rocm_index)
     assert result.returncode == 0, result.stderr
     install = _pip_install(result)
-    assert install.endswith(f"-e '.[test]' vllm==0.32.0+rocm721 "
+    assert install.endswith(f"-e '.[demo]' vllm==0.32.0+rocm721 "
                             f"--extra-index-url {rocm_index}/0.32.0/rocm721")
     assert "ROCm 7.2.1: vLLM's rocm721 wheel" in result.stdout
 
@@ -195,7 +195,7 @@ def test_cpu_adds_pytorchs_cpu_index_when_pip_does_not_find_its_torch(machine):
     result = machine.setup(PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="", PIP_NO_INDEX="1")
     assert result.returncode == 0, result.stderr
     assert _pip_install(result).endswith(
-        f"-e '.[cpu,test]' --extra-index-url {TORCH_CPU_INDEX}")
+        f"-e '.[cpu,demo]' --extra-index-url {TORCH_CPU_INDEX}")
     assert f"adding PyTorch's CPU wheel index {TORCH_CPU_INDEX}" in result.stdout
     assert "pip uninstall -q -y torchvision torchaudio torchcodec triton" in result.stdout
 
@@ -206,7 +206,7 @@ def test_cpu_adds_no_index_where_pip_already_finds_its_torch(machine, tmp_path):
     (links / "torch-2.13.0+cpu-py3-none-any.whl").touch()  # pip lists it by its name
     result = machine.setup(PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS=str(links),
                            PIP_NO_INDEX="1")
-    assert _pip_install(result).endswith("-e '.[cpu,test]'")
+    assert _pip_install(result).endswith("-e '.[cpu,demo]'")
     assert "pip already finds torch 2.13.0+cpu" in result.stdout
 
 
@@ -215,7 +215,7 @@ def test_cpu_torch_index_setting_replaces_the_look_up(machine, url):
     result = machine.setup(OVERNIGHT_TORCH_INDEX_URL=url, PIP_CONFIG_FILE=os.devnull,
                            PIP_NO_INDEX="1")
     expected = f" --extra-index-url {url}" if url else ""
-    assert _pip_install(result).endswith(f"-e '.[cpu,test]'{expected}")
+    assert _pip_install(result).endswith(f"-e '.[cpu,demo]'{expected}")
 
 
 def test_auto_dtype_is_float32_on_a_cpu_without_amx():

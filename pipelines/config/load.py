@@ -5,23 +5,25 @@ error turned into one line that names the file and the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from pipelines.config.job import JobConfig
-from pipelines.errors import ConfigError
+from pipelines.errors import ConfigError, did_you_mean
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _format_validation_error(err: ValidationError, source: str,
+                             overrides: list[str] = ()) -> str:
     first = err.errors()[0]
     loc = list(first["loc"])
     if loc[:1] == ["engine"] and len(loc) > 1 and loc[1] in ("vllm", "http"):
         del loc[1]  # the union's tag, not a key the user wrote
     key = ".".join(str(p) for p in loc) or "(top level)"
     if first["type"] == "extra_forbidden":
-        what = "unknown key"
+        what = "unknown key" + did_you_mean(loc[-1], _known_keys(first["loc"]))
     elif first["type"] == "missing":
         what = "required key is missing"
     else:
@@ -33,7 +35,61 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         what = what.removeprefix("Value error, ")
         if not loc:
             return f"{source}: {what}{more}"
+    given = _override_of(loc, overrides)
+    if given is not None:  # the value came from the command line, not the file
+        return f"--set {given}: {key}: {what}{more}"
     return f"{source}: {key}: {what}{more}"
+
+
+def _override_of(loc: list, overrides: list[str]) -> str | None:
+    """The last ``--set`` that gave the value at ``loc``: it, a section holding it, or a key
+    under it (``--set promt.template=x`` made the unknown section ``promt``)."""
+    path = [str(p) for p in loc]
+    found = None
+    for text in overrides:
+        keys = text.partition("=")[0].strip().split(".")
+        if path[:len(keys)] == keys or keys[:len(path)] == path:
+            found = text
+    return found
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    """The keys the section holding ``loc``'s last part takes (an unknown key's
+    neighbours, for a suggestion); [] where the path cannot be followed."""
+    types: list = [JobConfig]
+    for part in loc[:-1]:
+        nested: list = []
+        for kind in _members(types):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                field = kind.model_fields.get(str(part))
+                if field is not None:
+                    nested.append(field.annotation)
+                elif part in get_args(getattr(kind.model_fields.get("kind"), "annotation",
+                                              None)):
+                    nested.append(kind)  # a tagged union's tag (engine: vllm | http)
+            elif get_origin(kind) in (list, tuple) and isinstance(part, int):
+                nested.extend(get_args(kind)[:1])
+        types = nested
+    keys = []
+    for kind in _members(types):
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            keys += [n for n, f in kind.model_fields.items()] + \
+                [f.alias for f in kind.model_fields.values() if f.alias]
+    return keys
+
+
+def _members(types: list) -> list:
+    """Each type with its Optional, union and Annotated wrappers taken off."""
+    out = []
+    for kind in types:
+        origin = get_origin(kind)
+        if origin is Annotated:
+            out += _members([get_args(kind)[0]])
+        elif origin in (Union, UnionType):
+            out += _members(list(get_args(kind)))
+        else:
+            out.append(kind)
+    return out
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -142,7 +198,7 @@ def load_config(
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, name)) from None
+        raise ConfigError(_format_validation_error(err, name, list(overrides))) from None
 
 
 def _deep_copy(raw):

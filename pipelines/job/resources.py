@@ -12,6 +12,9 @@ import functools
 import logging
 import math
 import os
+import re
+import sys
+import threading
 from dataclasses import dataclass
 
 from pipelines.config import JobConfig
@@ -87,6 +90,8 @@ def ray_session(address: str | None = None, verbose: bool = False):
         yield
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # the level we set, not the user's: its one notice is ours to drop (_without_level_notice)
+    quiet_core = not verbose and "RAY_BACKEND_LOG_LEVEL" not in os.environ
     if not verbose:  # Ray's start-up notices and its C++ core's log lines, unless asked for
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
         for name in ("ray", "ray.data"):
@@ -108,7 +113,7 @@ def ray_session(address: str | None = None, verbose: bool = False):
         pipelines_folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         options["runtime_env"] = {"py_modules": [pipelines_folder, udfs]}
     try:
-        with _no_http_servers(address is None):
+        with _no_http_servers(address is None), _without_level_notice(quiet_core):
             ray.init(address=address, **options)
     except ConnectionError as exc:
         # A cluster made by `ray start` (Ray >= 2.60) wants its auth token, which a driver
@@ -147,6 +152,46 @@ def _no_http_servers(local: bool):
         yield
     finally:
         utils.get_dashboard_dependency_error = check
+
+
+# What Ray's C++ core prints, whatever the level, when RAY_BACKEND_LOG_LEVEL is set: the one
+# line that level lets through ("[2026-12-07 ... I 123 123] logging.cc:303: Set ray log ...").
+_LEVEL_NOTICE = re.compile(rb"\[[^\]\n]*\] logging\.cc:\d+: Set ray log level from environment "
+                           rb"variable RAY_BACKEND_LOG_LEVEL to -?\d+\r?\n")
+
+
+@contextlib.contextmanager
+def _without_level_notice(enabled: bool):
+    """This process's stderr while Ray starts, less Ray's notice that RAY_BACKEND_LOG_LEVEL is
+    set (the level that keeps its core's other lines off the terminal). Everything else is
+    passed on as it comes, by a thread reading a pipe put in place of file descriptor 2."""
+    if not enabled:
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        read_end, write_end = os.pipe()
+    except (OSError, ValueError):  # no usable stderr (a closed one): nothing to filter
+        yield
+        return
+
+    def forward():
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                os.write(saved, _LEVEL_NOTICE.sub(b"", chunk))
+        os.close(saved)
+
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    reader = threading.Thread(target=forward, name="ray-start-stderr", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer here closed: the reader drains it and ends
+        reader.join(timeout=5)
 
 
 def _mute_ray_error_feed() -> None:

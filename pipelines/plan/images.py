@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipelines.config import JobConfig
-from pipelines.errors import ConfigError, InputError
+from pipelines.errors import ConfigError, InputError, did_you_mean
 from pipelines.read import InputPlan, read_block
 from udfs.rows.images import ImageSpec
 
@@ -77,8 +77,9 @@ def check_image_columns(prompt, schema: pa.Schema, key: str = "prompt") -> None:
     """Each prompt.images column exists and is of a type that can hold an image."""
     for name in prompt.images or ():
         if name not in schema.names:
-            raise InputError(f"{key}.images: column {name!r} is not a column of the input; "
-                             f"its columns are: {', '.join(schema.names)}")
+            raise InputError(f"{key}.images: column {name!r} is not a column of the input"
+                             f"{did_you_mean(name, schema.names)}; its columns are: "
+                             f"{', '.join(schema.names)}")
         kind = schema.field(name).type
         if not _holds_images(kind):
             raise InputError(f"{key}.images: column {name!r} is {kind}, which cannot hold an "

@@ -11,7 +11,7 @@ from collections import Counter
 import pyarrow as pa
 
 from pipelines.config import JobConfig
-from pipelines.errors import ConfigError, InputError
+from pipelines.errors import ConfigError, InputError, did_you_mean
 from pipelines.read import InputPlan, glob_regex, read_unit, read_units, renamed
 from pipelines.storage import Location
 from udfs import columns
@@ -82,12 +82,14 @@ def check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> N
     missing = [v for v in variables if v not in names]
     if missing:
         raise InputError(f"prompt.template uses column {missing[0]!r}, which the input does "
-                         f"not have; its columns are: {', '.join(names)}")
+                         f"not have{did_you_mean(missing[0], names)}; its columns are: "
+                         f"{', '.join(names)}")
     id_column = config.input.id_column
     if id_column is not None:
         if id_column not in names:
-            raise InputError(f"input.id_column {id_column!r} is not a column of the input; "
-                             f"its columns are: {', '.join(names)}")
+            raise InputError(f"input.id_column {id_column!r} is not a column of the input"
+                             f"{did_you_mean(id_column, names)}; its columns are: "
+                             f"{', '.join(names)}")
         if plan.ids.nulls:
             raise InputError(f"input.id_column {id_column!r} is null in {plan.ids.nulls} "
                              "row(s)")
@@ -103,16 +105,18 @@ def check_columns(config: JobConfig, plan: InputPlan, variables: list[str]) -> N
     for key in ("max_tokens_column", "overrides_column"):
         column = getattr(config.sampling, key)
         if column is not None and column not in names:
-            raise InputError(f"sampling.{key} {column!r} is not a column of the input; "
-                             f"its columns are: {', '.join(names)}")
+            raise InputError(f"sampling.{key} {column!r} is not a column of the input"
+                             f"{did_you_mean(column, names)}; its columns are: "
+                             f"{', '.join(names)}")
         if column is not None and not _COLUMN_TYPES[key](plan.schema.field(column).type):
             raise InputError(f"sampling.{key} {column!r} is {plan.schema.field(column).type}; "
                              f"it must hold {_COLUMN_KINDS[key]}")
     for prompt in config.prompts():
         column = prompt.adapter_column
         if column is not None and column not in names:
-            raise InputError(f"prompt.adapter_column {column!r} is not a column of the input; "
-                             f"its columns are: {', '.join(names)}")
+            raise InputError(f"prompt.adapter_column {column!r} is not a column of the input"
+                             f"{did_you_mean(column, names)}; its columns are: "
+                             f"{', '.join(names)}")
         kind = plan.schema.field(column).type if column is not None else None
         if kind is not None and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
                                      or pa.types.is_null(kind)):

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from pipelines.plan.adapters import adapter_sampling
 from pipelines.config import JobConfig, StepConfig
-from pipelines.errors import ConfigError, InputError, one_line
+from pipelines.errors import ConfigError, InputError, did_you_mean, one_line
 from pipelines.plan.images import image_spec
 from pipelines.plan.specs import section_sampling
 from udfs import columns
@@ -116,7 +116,8 @@ def _check_prompt(step: StepConfig, fields: dict, where: str, config: JobConfig)
         thinking = config.model.reasoning_parser is not None
         later = [s.name for s in config.steps if missing[0] in s.added_columns(thinking)]
         why = (f"a column of step {later[0]!r}, which comes later" if later
-               else "not a column of the input or of an earlier step")
+               else "not a column of the input or of an earlier step"
+               + did_you_mean(missing[0], fields))
         raise InputError(f"{where}: prompt uses {missing[0]!r}: {why}; the step can use: "
                          f"{', '.join(fields)}")
 
@@ -134,7 +135,8 @@ def _check_where(expression: str, fields: dict, where: str) -> list[str]:
     missing = [n for n in names if n not in fields]
     if missing:
         raise InputError(f"{where}: where uses {missing[0]!r}, which is not a column of the "
-                         f"input or of an earlier step; it can use: {', '.join(fields)}")
+                         f"input or of an earlier step{did_you_mean(missing[0], fields)}; it "
+                         f"can use: {', '.join(fields)}")
     unreadable = next((n for n in names if to_polars.as_text(fields[n])), None)
     if unreadable is not None:
         raise InputError(f"{where}: where uses {unreadable!r}, a {fields[unreadable]} column, "

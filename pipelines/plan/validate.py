@@ -16,7 +16,7 @@ from pipelines.config import JobConfig
 from pipelines.errors import one_line
 from pipelines.plan.preflight import plan_job
 from pipelines.plan.specs import JobPlan
-from pipelines.read import read_block
+from pipelines.read import blocks_at_once, read_block
 from pipelines.storage import redact
 from udfs import columns
 from udfs.stages.pooler import PairRenderer
@@ -40,12 +40,29 @@ class ValidationReport:
         ordered = sorted(self.lengths)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0
 
+    @property
+    def block_rows(self) -> int:
+        return max((b.num_rows for b in self.plan.input.blocks), default=0)
+
+    def blocks_and_batch_size(self) -> str:
+        """How the blocks relate to ``resources.batch_size`` where they are smaller than it:
+        a small table is cut finer to be committed more often, and an engine still takes as
+        many rows at once (pipelines/read/sizes.py: plan_block_rows, blocks_at_once)."""
+        resources, blocks = self.plan.config.resources, self.plan.input.blocks
+        if not blocks or self.block_rows >= resources.batch_size:
+            return ""
+        at_once = blocks_at_once(resources.blocks_in_flight, resources.batch_size,
+                                 self.block_rows, len(blocks))
+        held = min(at_once * self.block_rows, self.plan.input.num_rows)
+        return (f" (fewer than resources.batch_size: {resources.batch_size}, so that a table "
+                f"this small is committed in {len(blocks)} parts; an engine still holds "
+                f"up to {held} rows at once)")
+
     def lines(self) -> list[str]:
         p = self.plan
         out = [f"input: {len(p.input.files)} {p.input.format} file(s), {self.rows} rows, "
-               f"{len(p.input.blocks)} blocks of up to "
-               f"{max((b.num_rows for b in p.input.blocks), default=0)} rows, each committed "
-               "as it is done",
+               f"{len(p.input.blocks)} blocks of up to {self.block_rows} rows, each committed "
+               f"as it is done{self.blocks_and_batch_size()}",
                f"model: {p.config.model.name} (max_model_len {p.render.max_model_len}, "
                + (f"task {p.config.task})" if p.pooling else
                   f"max_tokens {p.render.max_tokens})")]

@@ -11,6 +11,7 @@ build) that nothing here needs.
 from __future__ import annotations
 
 import importlib.metadata
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipelines.errors import JobError
@@ -41,6 +42,32 @@ def is_complete(out_dir: str | Path) -> bool:
                ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"))
 
 
+@contextmanager
+def _quiet_progress_bars():
+    """transformers' progress bars off while the model is converted and saved: three bars
+    over a one-minute step, which `make demo` announces in a line of its own. The GGUF
+    converter's bar is plain tqdm (transformers' switch does not reach it): it is given a
+    tqdm that draws nothing."""
+    from functools import partial
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    plain = getattr(gguf_utils, "tqdm", None)
+    if plain is not None:
+        gguf_utils.tqdm = partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if plain is not None:
+            gguf_utils.tqdm = plain
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def build_demo_model(out_dir: str | Path) -> Path:
     """Write SmolLM2-135M-Instruct as a float32 safetensors model directory to ``out_dir``,
     unless it is already there. It is written to a temporary folder and moved in with
@@ -56,15 +83,20 @@ def build_demo_model(out_dir: str | Path) -> Path:
     except ImportError as exc:
         raise JobError(f"building the demo model needs {exc.name}: {INSTALL_HINT}") from None
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                  dtype=torch.float32)
+    with _quiet_progress_bars():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                      dtype=torch.float32)
     # save_pretrained refuses a model loaded from GGUF ("not serializable"): copy its
     # dequantized weights into a fresh model whose config no longer says it is quantized.
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.torch_dtype = torch.float32
+    # transformers 5 calls it dtype (torch_dtype still works, with a deprecation warning)
+    if isinstance(getattr(type(config), "torch_dtype", None), property):
+        config.dtype = torch.float32
+    else:
+        config.torch_dtype = torch.float32
     model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict())
     model.to(torch.float32)
@@ -72,7 +104,8 @@ def build_demo_model(out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".building"
     tokenizer.save_pretrained(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    with _quiet_progress_bars():
+        model.save_pretrained(tmp, safe_serialization=True)
     # config.json lands last, after the weights: make's target and is_complete() wait for it
     last = {"model.safetensors": 1, "config.json": 2}
     for item in sorted(tmp.iterdir(), key=lambda p: last.get(p.name, 0)):

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.plan.changes import diff_fingerprints, what_changed
-from pipelines.errors import OutputError, one_line
+from pipelines.errors import AlreadyComplete, OutputError, one_line
 from pipelines.storage import Location, hold_lock, scrub_record
 from pipelines.write.counts import read_part
 from pipelines.write.parts import (RETRY_OLD, Part, covered_blocks, input_offsets, list_parts,
@@ -125,13 +125,34 @@ class OutputStore:
                     f"({what_changed(earlier, fingerprint)}); pass --overwrite to discard "
                     "it, or choose another output.path")
         elif self.path.exists() and not overwrite:
-            raise OutputError(f"output.path {str(self.path)!r} already exists; "
-                              "pass --overwrite to replace it, or choose another path")
+            self._refuse_existing(record, fingerprint)
         self.staging.remove()
         self.staging.mkdir()
         self.write_record({"state": "running", "started": time.time(),
                            "rows_total": rows_total, "fingerprint": fingerprint})
         return set()
+
+    def _refuse_existing(self, record: dict, fingerprint: dict) -> None:
+        """An output already in place, and no --overwrite: a finished run of this same job
+        says so (``AlreadyComplete``: nothing to do); anything else is in the way."""
+        earlier = record.get("fingerprint")
+        if earlier is None:  # no record, or one that says nothing of the job: not ours
+            raise OutputError(f"output.path {str(self.path)!r} already exists; "
+                              "pass --overwrite to replace it, or choose another path")
+        if diff_fingerprints(earlier, fingerprint):
+            raise OutputError(f"output.path {str(self.path)!r} already exists, written by a "
+                              f"different job ({what_changed(earlier, fingerprint)}); pass "
+                              "--overwrite to replace it, or choose another path")
+        if record.get("state") != "complete":
+            raise OutputError(f"output.path {str(self.path)!r} already exists (its record "
+                              f"says {record.get('state')!r}); pass --overwrite to replace "
+                              "it, or choose another path")
+        counts = record.get("summary") or {}
+        errors = sum((counts.get("errors") or {}).values())
+        raise AlreadyComplete(f"{self.path} already exists and is complete: "
+                              f"{counts.get('rows', '?')} rows of this same job, {errors} with "
+                              f"errors (overnight status {self.path}); to run it again, "
+                              "add --overwrite")
 
     def resume(self, block_starts: tuple[int, ...], rows_total: int) -> set[int]:
         """``open``'s answer again, once more parts are staged (a reuse run's own)."""
