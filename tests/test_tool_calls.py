@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 
 import jsonschema
@@ -260,3 +261,47 @@ def test_a_tool_job_is_refused_before_any_engine_in_one_line(tmp_path, tools_mod
         code, _, err = cli("validate", tmp_path / "job.yaml", capsys=capsys)
         assert code == 2, name
         one_line_error(err, needle)
+
+
+def test_a_forced_tool_through_overnight_serve_with_both_official_clients(tools_model,
+                                                                          tmp_path):
+    """The same forced call as a Message Batch (the anthropic client) and as an OpenAI batch
+    (the openai client), on `overnight serve --engine per-batch` with model.tool_parser: a
+    tool_use block whose input validates and equals the chat call's arguments."""
+    import anthropic
+
+    from servers import KEY, Server, lines_of, wait
+
+    server = Server(tmp_path, tools_model, "--engine", "per-batch")
+    config = json.loads((tmp_path / "job.yaml").read_text())
+    config["model"]["tool_parser"] = "hermes"
+    (tmp_path / "job.yaml").write_text(json.dumps(config))
+    server.start()
+    try:
+        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key=KEY,
+                                     max_retries=0)
+        tool = {"name": "tag_product", "description": "Tag a product.",
+                "input_schema": TAG_SCHEMA}
+        created = client.messages.batches.create(requests=[{"custom_id": "forced", "params": {
+            "model": "tiny", "max_tokens": 40, "temperature": 0, "messages": USER,
+            "tools": [tool], "tool_choice": {"type": "tool", "name": "tag_product"}}}])
+        openai_client = server.client()
+        (tmp_path / "twin.jsonl").write_text(json.dumps(chat("forced", tools=[TAG], tool_choice={
+            "type": "function", "function": {"name": "tag_product"}})) + "\n")
+        uploaded = openai_client.files.create(file=tmp_path / "twin.jsonl", purpose="batch")
+        twin = openai_client.batches.create(input_file_id=uploaded.id, completion_window="24h",
+                                            endpoint="/v1/chat/completions")
+        chat_call = lines_of(openai_client, wait(openai_client, twin.id)[-1].output_file_id)[0][
+            "response"]["body"]["choices"][0]["message"]["tool_calls"][0]["function"]
+        while client.messages.batches.retrieve(created.id).processing_status != "ended":
+            time.sleep(0.5)
+        result = next(iter(client.messages.batches.results(created.id))).result
+        assert result.type == "succeeded", (result, server.log())
+        message = result.message
+        assert message.stop_reason == "tool_use"
+        block = next(b for b in message.content if b.type == "tool_use")
+        assert block.name == "tag_product"
+        jsonschema.validate(block.input, TAG_SCHEMA)
+        assert block.input == json.loads(chat_call["arguments"])
+    finally:
+        server.stop()
