@@ -162,3 +162,26 @@ def test_rows_failing_on_an_undefined_name_are_not_refused_in_pre_flight(tmp_pat
     spec = RenderSpec(template="{{ title }}", tokenizer=picky, max_model_len=512, max_tokens=8)
     assert rows_fail_alike(spec, table, "sku").startswith(
         "row 'a': the model's chat template failed on this row: ")
+
+
+def test_a_replica_loads_its_tokenizer_without_scikit_learn(tiny_model):
+    """transformers imports scikit-learn wherever installed (here: the test extra brings it),
+    for nothing a replica runs: a replica's tokenizer (its first import of transformers'
+    models, so vLLM's after it imports none either) loads in a fresh process without it."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    import pytest
+
+    from conftest import REPO
+
+    if importlib.util.find_spec("sklearn") is None:
+        pytest.skip("scikit-learn is not installed here: nothing to keep out")
+    probe = ("import sys; from udfs.stages.prompts import load_tokenizer; "
+             f"tokenizer = load_tokenizer({tiny_model!r}); "
+             "print(tokenizer('two words')['input_ids'] != [], 'sklearn' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]

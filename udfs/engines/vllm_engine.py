@@ -10,6 +10,7 @@ import os
 from typing import Sequence
 
 from udfs.rows import images
+from udfs.transformers_imports import skip_scikit_learn
 from udfs.engines.engine import (SAMPLING_FIELDS, WIRE_NAMES, EngineSpec, GenerationRequest,
                                  GenerationResult)
 from udfs.engines.stepper import Batch, Stepper
@@ -61,6 +62,7 @@ def _environment_before_vllm(threads: int | None, multiprocessing: bool | None) 
 
 
 def _import_vllm():
+    skip_scikit_learn()  # before vllm imports transformers' models
     try:
         import vllm
     except ImportError as exc:

@@ -23,6 +23,7 @@ from udfs.rows.tool_calls import read_spec
 from udfs.stages import row_messages
 from udfs.stages.chat_tools import normalize_tool_messages
 from udfs.stages.templates import NullValue, compile_template, render_template
+from udfs.transformers_imports import skip_scikit_learn
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class RenderSpec:
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
+    skip_scikit_learn()  # the replica's first import of transformers' models: here
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
