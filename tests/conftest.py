@@ -33,9 +33,10 @@ KV_CACHE = 128 << 20
 # The files whose tests take minutes, longest first, from `make test --durations` (2026-12-07);
 # every other file follows in its usual order.
 LONGEST_FILES = ("test_reuse.py", "test_serve_restarts.py", "test_recovery.py",
-                 "test_notebooks.py", "test_resume.py", "test_scale_out.py", "test_steps.py",
-                 "test_serve_batches.py", "test_http_engine.py", "test_quality.py",
-                 "test_images.py", "test_adapters.py")
+                 "test_notebooks.py", "test_tool_calls.py", "test_resume.py",
+                 "test_scale_out.py", "test_steps.py", "test_serve_batches.py",
+                 "test_http_engine.py", "test_quality.py", "test_images.py",
+                 "test_batch_tools.py", "test_adapters.py")
 
 
 def pytest_collection_modifyitems(config, items):
