@@ -293,7 +293,7 @@ def _parses_or_rejects(raw: str, fmt: str = "openai") -> str:
             assert isinstance(message["role"], str) and message["role"]
             assert isinstance(message["content"], (str, list))
     if row["kind"] != "embeddings":
-        from udfs.stages.predictor import RowOverrides
+        from udfs.stages.row_overrides import RowOverrides
 
         RowOverrides.of(row[OVERRIDES])  # the job's own check of a row's sampling passes
     assert row["max_tokens"] is None or 0 <= row["max_tokens"] < MAX_MODEL_LEN

@@ -20,7 +20,7 @@ from udfs.rows.tool_calls import ToolError, read_spec, tool_spec
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # Sampling fields a body may set beside temperature, top_p, n, seed and stop: OpenAI's
-# penalties and vLLM's extensions (udfs/predictor.RowOverrides carries them to the engine).
+# penalties and vLLM's extensions (udfs/stages/row_overrides.py: RowOverrides carries them to the engine).
 EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "ignore_eos", "top_k",
                   "min_tokens", "repetition_penalty", "stop_token_ids", "logit_bias")
 
@@ -258,7 +258,7 @@ class _Body(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    # token ids (as JSON keys) to a bias from -100 to 100 (udfs/predictor.RowOverrides checks)
+    # token ids (as JSON keys) to a bias from -100 to 100 (udfs/stages/row_overrides.py checks)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
     ignore_eos: bool | None = None
@@ -270,7 +270,7 @@ class _Body(BaseModel):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bias(cls, value):
-        from udfs.stages.predictor import check_logit_bias
+        from udfs.stages.row_overrides import check_logit_bias
 
         value = check_logit_bias(value)
         for token in value if isinstance(value, dict) else ():
