@@ -41,6 +41,9 @@ def completion(custom_id, prompt, **body):
 
 GREEDY_CHAT = [chat(f"chat-{i}", f"Name a colour, number {i}.", max_tokens=4 + 3 * i,
                     temperature=0) for i in range(6)]
+# several text parts: vLLM's chat path joins them with a newline for a string-format template
+GREEDY_CHAT[5]["body"]["messages"][1]["content"] = [
+    {"type": "text", "text": "Name a colour,"}, {"type": "text", "text": "number 5."}]
 LINES = [
     json.dumps(GREEDY_CHAT[0]),
     json.dumps(completion("comp-0", "Once upon a time", max_tokens=10, temperature=0)),

@@ -126,7 +126,7 @@ def parse_line(data: dict, reject, max_model_len: int | None = None,
     messages = []
     if params.system is not None:
         messages.append({"role": "system", "content": _text(params.system, "params.system",
-                                                             reject)})
+                                                             reject, joined=True)})
     called: set[str] = set()  # the ids of the tool_use blocks so far
     for i, message in enumerate(params.messages):
         where = f"params.messages[{i}]"
@@ -289,7 +289,7 @@ def _first(err: ValidationError, prefix: str) -> str:
 
 
 def _text(content, where: str, reject, images: bool = False,
-          tools=None) -> str | list[dict] | None:
+          tools=None, joined: bool = False) -> str | list[dict] | None:
     """A content (a string, or a list of text blocks) as the chat template takes it. With
     ``images`` (a user turn), ``image`` blocks too (``source`` base64 with its media_type, or
     a url): then the text and ``image_url`` parts in their order, as an OpenAI request's
@@ -322,7 +322,9 @@ def _text(content, where: str, reject, images: bool = False,
         parts.append({"type": "text", "text": block["text"]})
     if not parts:
         return None
-    if all(part["type"] == "text" for part in parts):
+    # a system prompt's blocks joined, a turn's several texts kept as parts (the template's
+    # content format joins or keeps them), as vLLM's Anthropic server converts them
+    if all(part["type"] == "text" for part in parts) and (joined or len(parts) == 1):
         return "".join(part["text"] for part in parts)
     return parts
 

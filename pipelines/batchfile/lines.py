@@ -373,9 +373,10 @@ def _tool_calls(calls, where: str) -> list[dict]:
 
 
 def _content(content, where: str = "content") -> str | list[dict]:
-    """A message's content: a string; a list of text parts, joined; or, where it holds images,
-    its text and ``image_url`` parts (a ``data:`` or http(s) URL each; ``detail`` is accepted
-    and, as in vLLM, has no effect) in their order. ValueError names the part (``where``)."""
+    """A message's content: a string; one text part's text; or its text parts (and, where it
+    holds images, its ``image_url`` parts: a ``data:`` or http(s) URL each; ``detail`` is
+    accepted and, as in vLLM, has no effect) in their order. ValueError names the part
+    (``where``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
@@ -387,7 +388,10 @@ def _content(content, where: str = "content") -> str | list[dict]:
         if part["type"] == "text" and not isinstance(part.get("text", ""), str):
             raise ValueError(f"{where}[{i}].text: must be a string")
     if all(p["type"] == "text" for p in content):
-        return "".join(p.get("text", "") for p in content)
+        texts = [p.get("text", "") for p in content]
+        # several texts stay parts, which the template's content format joins (a newline
+        # between them, for a string-format template) or keeps, as vLLM's chat path does
+        return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
     parts = []
     for i, part in enumerate(content):
         if part["type"] == "text":
