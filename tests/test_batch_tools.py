@@ -196,14 +196,22 @@ def test_anthropic_results_hold_tool_use_blocks_the_client_parses():
     assert message.stop_reason == "end_turn" and message.content[0].text == "Hi."
 
 
-def test_anthropic_arguments_that_are_no_object_are_the_requests_errored_result():
+def test_anthropic_arguments_cut_at_max_tokens_are_text_and_no_object_otherwise_an_error():
+    """A call cut at max_tokens is answered as the budget running out (what it wrote, as
+    text); arguments that are JSON but no object, with the model stopped, are the request's
+    errored result: no tool_use block can hold them."""
     from anthropic.types.messages import MessageBatchIndividualResponse
 
     line = anthropic.succeeded(_sample(finish_reason="length"), "m", False, {
         "content": "", "tool_calls": [_call(0, "tag", '{"color": "bl')]})
     result = MessageBatchIndividualResponse.model_validate(line).result
+    assert result.type == "succeeded" and result.message.stop_reason == "max_tokens"
+    assert [b.text for b in result.message.content] == ['{"color": "bl']
+    line = anthropic.succeeded(_sample(), "m", False, {
+        "content": "", "tool_calls": [_call(0, "tag", "[1, 2]")]})
+    result = MessageBatchIndividualResponse.model_validate(line).result
     assert result.type == "errored" and result.error.error.type == "api_error"
-    assert "tool call 0 (tag): its arguments are not a JSON object (finish_reason length)" \
+    assert "tool call 0 (tag): its arguments are not a JSON object (finish_reason stop)" \
         in result.error.error.message
 
 

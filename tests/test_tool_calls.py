@@ -305,3 +305,53 @@ def test_a_forced_tool_through_overnight_serve_with_both_official_clients(tools_
         assert block.input == json.loads(chat_call["arguments"])
     finally:
         server.stop()
+
+
+# --- a tools value, checked (no engine) -------------------------------------------------------
+
+def test_a_schema_reference_outside_the_schema_is_refused_and_never_fetched(tmp_path):
+    from pipelines.batchfile.lines import Reject, parse_request
+    from udfs.rows.parsers import SchemaError, StructuredSpec
+    from udfs.rows.tool_calls import call_problem, read_spec, tool_spec
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"enum": ["TOPSECRET"]}')
+    for ref in (secret.as_uri(), "http://127.0.0.1:9/schema"):
+        schema = {"type": "object", "properties": {"a": {"$ref": ref}}}
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        with pytest.raises(Reject) as caught:
+            parse_request(json.dumps(chat("x", tools=[tool])), 16, 512, tool_parser="hermes")
+        assert "points outside the schema" in caught.value.message
+        with pytest.raises(SchemaError, match="points outside the schema"):
+            StructuredSpec(json_schema=schema).check()
+    # a schema's own places are followed; checking a call reads nothing else
+    local = {"type": "object", "$defs": {"c": {"enum": ["red"]}},
+             "properties": {"color": {"$ref": "#/$defs/c"}}}
+    spec = read_spec(tool_spec([{"type": "function", "function": {
+        "name": "f", "parameters": local}}], "f"))
+    assert call_problem(spec, [{"name": "f", "arguments": '{"color": "red"}'}]) is None
+    assert "do not match" in call_problem(spec, [{"name": "f",
+                                                    "arguments": '{"color": "blue"}'}])
+
+
+def test_a_rows_tools_value_is_checked_as_a_lines_tools_are():
+    from udfs.rows.tool_calls import ToolError, read_spec, row_spec
+
+    tools = [{"type": "function", "function": {"name": "f", "strict": True}}]
+    assert read_spec(row_spec(json.dumps({"tools": tools})))["tool_choice"] == "auto"
+    for value, needle in (("not json", "not JSON"), ('{"tools": []}', "non-empty list"),
+                          ('{"tools": [], "extra": 1}', "must be a JSON object of"),
+                          (json.dumps({"tools": [{"type": "function", "function": {
+                              "name": "f", "extra": 1}}]}), "function.extra: not supported")):
+        with pytest.raises(ToolError, match=needle):
+            row_spec(value)
+
+
+def test_an_earlier_calls_unreadable_arguments_are_an_empty_object():
+    from udfs.stages.chat_tools import normalize_tool_messages
+
+    for arguments in ("[" * 100_000, "1" * 5000, "{not json"):
+        messages = [{"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+        out = normalize_tool_messages(messages, "string")
+        assert out[0]["tool_calls"][0]["function"]["arguments"] == {}

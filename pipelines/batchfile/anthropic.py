@@ -354,8 +354,9 @@ def succeeded(sample: dict, model: str, thinking: bool, message: dict | None = N
     """A request's row of the job -> its ``succeeded`` result line. ``message``: its content
     and ``tool_calls`` as an OpenAI chat result holds them (envelopes.chat_message), which
     become its blocks as vLLM's messages_full_converter makes them; None: the row's text. A
-    call whose arguments are not a JSON object (cut at max_tokens) cannot be a ``tool_use``
-    block: the request's errored result names it."""
+    call cut at max_tokens is what it wrote, as text, with stop_reason max_tokens; other
+    arguments that are not a JSON object cannot be a ``tool_use`` block: the request's
+    errored result names them."""
     message = message if message is not None else {"content": sample["text"]}
     text, stop, stop_sequence = message["content"], sample["finish_reason"], None
     calls = message.get("tool_calls") or []
@@ -382,6 +383,12 @@ def succeeded(sample: dict, model: str, thinking: bool, message: dict | None = N
             arguments = json.loads(call["function"]["arguments"] or "{}")
         except (ValueError, RecursionError):
             arguments = None
+        if not isinstance(arguments, dict) and stop == "length":
+            # a call cut at max_tokens: what it wrote, as text, where the budget ran out
+            cut = [{"type": "text", "text": c["function"]["arguments"] or ""} for c in calls[i:]]
+            content = [*content, *cut]
+            reason = "max_tokens"
+            break
         if not isinstance(arguments, dict):
             return errored(custom_id, "invalid_tool_call", f"tool call {i} "
                            f"({call['function']['name'][:64]}): its arguments are not a JSON "

@@ -145,7 +145,10 @@ class VLLMEngine:
                       if req.structured else None)
         kwargs = {**sampling_params_kwargs(req), "structured_outputs": structured}
         if req.tools and self.tools is not None:  # as vLLM's chat server adjusts a request
-            kwargs.update(self.tools.sampling_changes(req.tools))
+            try:
+                kwargs.update(self.tools.sampling_changes(req.tools))
+            except Exception as exc:  # noqa: BLE001 - a request's tools vLLM refuses: its error
+                raise ValueError(f"its tools: {type(exc).__name__}: {exc}"[:400]) from None
         return self.vllm.SamplingParams(**kwargs)
 
     def prompt(self, req: GenerationRequest):

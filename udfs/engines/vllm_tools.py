@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from udfs.engines.engine import GenerationResult
-from udfs.rows.tool_calls import read_spec
+from udfs.rows.tool_calls import calls_expected, read_spec
 
 
 class ToolCalling:
@@ -81,7 +81,8 @@ class ToolCalling:
         finish = result.finish_reason
         if found and (finish == "stop" or request.tool_choice == "auto"):
             finish = "tool_calls"
-        # no call: the text stays, for the row's error to keep (the parser gives None for
-        # an output of white space alone)
-        text = content if found or content is not None else result.text
+        # a named or required choice that made no call: the text stays, for the row's error
+        # to keep (the parser gives None for it)
+        text = content if found or content is not None or not calls_expected(read_spec(tools)) \
+            else result.text
         return dataclasses.replace(result, text=text, tool_calls=found, finish_reason=finish)

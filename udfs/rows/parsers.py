@@ -94,6 +94,10 @@ class StructuredSpec:
             except jsonschema.SchemaError as exc:
                 path = "/".join(str(p) for p in exc.path) or "(top)"
                 raise SchemaError(f"at {path}: {exc.message}") from None
+            ref = outside_ref(self.json_schema)
+            if ref is not None:
+                raise SchemaError(f"$ref {ref[:80]!r} points outside the schema; only its own "
+                                  "places (#/$defs/...) are followed")
             if self.json_schema.get("type") != "object" and not (
                     arrays and self.json_schema.get("type") == "array"):
                 raise SchemaError("the top level must be an object (type: object)"
@@ -108,6 +112,31 @@ class StructuredSpec:
             raise SchemaError("choice needs at least one value")
 
 
+def outside_ref(schema) -> str | None:
+    """The first ``$ref`` (or ``$dynamicRef``) of a schema that points outside it (a URL, a
+    file), or None: a schema's references are its own ``#...`` places, never fetched."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("$ref", "$dynamicRef") and isinstance(value, str) \
+                        and not value.startswith("#"):
+                    return value
+                stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
+def validator(schema: dict):
+    """A validator for a schema that resolves its ``#...`` references only: nothing is fetched
+    from a URL or read from a file (jsonschema's default registry would)."""
+    import referencing
+
+    return jsonschema.validators.validator_for(schema)(schema, registry=referencing.Registry())
+
+
 class OutputParser:
     """``map_batches`` callable: checks each generated text against the spec, and for a
     JSON Schema adds the parsed value as a struct column. Never raises for what a row holds:
@@ -116,7 +145,7 @@ class OutputParser:
     def __init__(self, spec: StructuredSpec, output_column: str):
         self.spec, self.output_column = spec, output_column
         if spec.json_schema is not None:
-            self.validator = jsonschema.Draft202012Validator(spec.json_schema)
+            self.validator = validator(spec.json_schema)
             self.arrow_type = schema_to_arrow(spec.json_schema)
         self.pattern = re.compile(spec.regex) if spec.regex is not None else None
 

@@ -4,11 +4,17 @@ engine all read them; and the Arrow type of the calls a row made."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pyarrow as pa
 
+from udfs.rows.parsers import outside_ref, validator
+
 CHOICES = ("none", "auto", "required")
+# a function's fields; ``strict`` is accepted and changes nothing (a named or required choice
+# is always held to the schema)
+FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 # the tool_calls column: one entry per call, its arguments as the model wrote them (JSON text)
 TOOL_CALL_TYPE = pa.struct([("id", pa.string()), ("name", pa.string()),
                             ("arguments", pa.string())])
@@ -34,6 +40,11 @@ def function_tools(tools, where: str = "tools") -> list[dict]:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise ToolError(f"{at}.function: must be an object with the function's name")
+        extra = sorted({*(f".{k}" for k in set(tool) - {"type", "function"}),
+                        *(f".function.{k}" for k in set(function) - FUNCTION_FIELDS)})
+        if extra:
+            raise ToolError(f"{at}{extra[0][:80]}: not supported by overnight, which would "
+                            "have to ignore it; remove it")
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise ToolError(f"{at}.function.name: must be a non-empty string")
@@ -66,6 +77,10 @@ def check_schema(schema, where: str) -> None:
     except Exception as exc:  # noqa: BLE001 - a schema the checker itself cannot walk
         raise ToolError(f"{where}: not a JSON Schema the checker can read "
                         f"({type(exc).__name__})") from None
+    ref = outside_ref(schema)
+    if ref is not None:
+        raise ToolError(f"{where}: $ref {ref[:80]!r} points outside the schema; only its own "
+                        "places (#/$defs/...) are followed")
 
 
 def tool_choice(choice, tools: list[dict], where: str = "tool_choice"):
@@ -102,6 +117,24 @@ def tool_spec(tools, choice=None, parallel_tool_calls=None, where: str = "") -> 
                       ensure_ascii=False)
 
 
+@functools.lru_cache(maxsize=256)
+def row_spec(value: str | None) -> str | None:
+    """A tools column's value (JSON ``{tools, tool_choice, parallel_tool_calls}``) checked and
+    written as ``tool_spec`` writes it (None: no tools); ToolError says what is wrong."""
+    if not value:
+        return None
+    try:
+        given = json.loads(value)
+    except (ValueError, RecursionError):
+        raise ToolError("not JSON: a tools value is {tools, tool_choice, "
+                        "parallel_tool_calls}") from None
+    if not isinstance(given, dict) or set(given) - {"tools", "tool_choice",
+                                                   "parallel_tool_calls"}:
+        raise ToolError("must be a JSON object of tools, tool_choice and parallel_tool_calls")
+    return tool_spec(given.get("tools"), given.get("tool_choice"),
+                     given.get("parallel_tool_calls"))
+
+
 def read_spec(value: str | None) -> dict | None:
     """A tool spec written by ``tool_spec`` (None: no tools)."""
     return json.loads(value) if value else None
@@ -130,8 +163,6 @@ def call_problem(spec: dict, calls: list[dict]) -> str | None:
     """Why a request's calls do not answer it, in one line, or None: a named or required
     choice that made no call; a call to an undeclared function; arguments that are not a JSON
     object or do not match the function's parameters."""
-    import jsonschema
-
     if not calls:
         return (f"no tool call in the output (tool_choice {_choice_text(spec)} needs one)"
                 if calls_expected(spec) else None)
@@ -147,8 +178,7 @@ def call_problem(spec: dict, calls: list[dict]) -> str | None:
             return f"tool call {i} ({call['name']}): its arguments are not a JSON object"
         schema = declared[call["name"]]
         if schema:
-            error = next(iter(jsonschema.validators.validator_for(schema)(schema)
-                              .iter_errors(arguments)), None)
+            error = next(iter(validator(schema).iter_errors(arguments)), None)
             if error is not None:
                 at = "/".join(str(p) for p in error.absolute_path) or "(top)"
                 return (f"tool call {i} ({call['name']}): its arguments do not match the "

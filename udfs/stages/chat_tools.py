@@ -74,6 +74,6 @@ def _arguments(value) -> dict:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return {}
     return dict(value) if isinstance(value, dict) else {}

@@ -22,7 +22,7 @@ from udfs.columns import ErrorKind
 from udfs.engines.engine import (EngineSpec, GenerationRequest, Sampling,
                                  build_engine, sampling_values)
 from udfs.rows.logprobs import LOGPROBS_TYPE, label_confidence, truncate_top
-from udfs.rows.tool_calls import TOOL_CALLS_TYPE, call_problem, read_spec
+from udfs.rows.tool_calls import TOOL_CALLS_TYPE, call_problem, read_spec, row_spec
 from udfs.stages.memory import release_free_memory
 from udfs.stages.prompts import PromptRenderer, RenderSpec
 from udfs.stages.replica import replica_label
@@ -87,6 +87,15 @@ def no_answer(result, budget_key: str = "sampling.max_tokens") -> str:
                 "max_tokens (which covers thinking and answer); run it again with a larger "
                 f"budget: {again}")
     return f"no answer: the model ended while thinking (finish_reason {result.finish_reason})"
+
+
+def _checked(value: str | None) -> str | None:
+    """A row's tools value as checked JSON; None where it has none, or one the renderer has
+    already made the row's error."""
+    try:
+        return row_spec(value)
+    except ValueError:
+        return None
 
 
 def _call_id(key, sample_index: int, call: int) -> str:
@@ -304,7 +313,8 @@ class Predictor:
         """Each row's tool spec (JSON; None: no tools): its column's, else the job's."""
         s = self.sampling
         if s.tools_column is not None:
-            return [value or s.tools for value in batch.column(s.tools_column).to_pylist()]
+            return [_checked(value) or s.tools
+                    for value in batch.column(s.tools_column).to_pylist()]
         return [s.tools] * batch.num_rows
 
     def _outcomes(self, rows: _Samples, todo: list[int], results: list,
@@ -339,7 +349,8 @@ class Predictor:
             if thinking:
                 out.reasoning[i], out.reasoning_tokens[i] = (result.reasoning,
                                                              result.reasoning_tokens)
-                if result.text is None:  # it thought and did not answer: retried with room
+                # it thought and did not answer (a call is an answer): retried with room
+                if result.text is None and not result.tool_calls:
                     kinds[i] = ErrorKind.NO_ANSWER
                     errors[i] = no_answer(result, self.sampling.budget_key)
         if self.sampling.tool_calls_column is not None:

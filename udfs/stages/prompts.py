@@ -19,7 +19,7 @@ from udfs.stages.chat_content import (ContentError, image_placeholder, resolve_c
                                string_content)
 from udfs.columns import ErrorKind, FinishReason
 from udfs.rows.images import ImageSpec
-from udfs.rows.tool_calls import read_spec
+from udfs.rows.tool_calls import read_spec, row_spec
 from udfs.stages import row_messages
 from udfs.stages.chat_tools import normalize_tool_messages
 from udfs.stages.templates import NullValue, compile_template, render_template
@@ -196,8 +196,8 @@ class PromptRenderer:
 
     def row_tools(self, row: dict) -> list[dict] | None:
         """The tools a row's chat template lists (None: none): its column's, else the job's."""
-        spec = read_spec((row.get(self.spec.tools_column) if self.spec.tools_column else None)
-                         or self.spec.tools)
+        value = row.get(self.spec.tools_column) if self.spec.tools_column else None
+        spec = read_spec(row_spec(value) if value else self.spec.tools)
         return spec["tools"] if spec is not None else None
 
     def _text(self, raw: str | None, messages: list[dict] | None,
