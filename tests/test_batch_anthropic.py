@@ -52,9 +52,14 @@ def openai_line(request: dict) -> dict:
     def text(content):
         return content if isinstance(content, str) else "".join(b["text"] for b in content)
 
+    def parts(content):  # a turn's several text blocks: several text parts, as vLLM's server
+        if isinstance(content, str) or len(content) == 1:
+            return text(content)
+        return [{"type": "text", "text": b["text"]} for b in content]
+
     messages = ([{"role": "system", "content": text(request["system"])}]
                 if "system" in request else [])
-    messages += [{"role": m["role"], "content": text(m["content"])}
+    messages += [{"role": m["role"], "content": parts(m["content"])}
                  for m in request["messages"]]
     body = {"model": "gpt-4o-mini", "messages": messages, "max_tokens": request["max_tokens"],
             "temperature": 0}
