@@ -126,36 +126,11 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0,
     if reasoning and tools:
         raise ValueError("a tiny model is built with reasoning or with tools, not both")
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
-                              PreTrainedTokenizerFast)
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-
-    bpe = Tokenizer(models.BPE(unk_token=None))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=2048,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_corpus(4000, seed), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        model_max_length=2048,
-    )
-    if reasoning:
-        # added, not special, as a thinking model's tokenizer has them: the decoded text keeps
-        # them (vLLM skips special tokens when it decodes), for the reasoning parser to find
-        tokenizer.add_tokens(THINK_TOKENS, special_tokens=False)
-    if tools:
-        # not special, for the same reason, and hermes matches its markers as text
-        tokenizer.add_tokens(TOOL_TOKENS + [CANNED_TOOL_CALL], special_tokens=False)
-    tokenizer.chat_template = (THINKING_CHAT_TEMPLATE if reasoning
-                               else TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE)
+    tokenizer = _tokenizer(seed, reasoning, tools)
     tokenizer.save_pretrained(out)
 
     config = LlamaConfig(
@@ -180,6 +155,38 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0,
                 param.mul_(4.0)
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     return out
+
+
+def _tokenizer(seed: int, reasoning: bool, tools: bool):
+    """The tiny model's tokenizer: a byte-level BPE trained on a seeded corpus, with a
+    thinking model's or a tool-calling model's tokens added, and its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=2048,
+    )
+    if reasoning:
+        # added, not special, as a thinking model's tokenizer has them: the decoded text keeps
+        # them (vLLM skips special tokens when it decodes), for the reasoning parser to find
+        tokenizer.add_tokens(THINK_TOKENS, special_tokens=False)
+    if tools:
+        # not special, for the same reason, and hermes matches its markers as text
+        tokenizer.add_tokens(TOOL_TOKENS + [CANNED_TOOL_CALL], special_tokens=False)
+    tokenizer.chat_template = (THINKING_CHAT_TEMPLATE if reasoning
+                               else TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE)
+    return tokenizer
 
 
 # A tiny vision-language model: Idefics3 (a SigLIP-style vision tower, a pixel-shuffle
