@@ -31,26 +31,21 @@ def check_reasoning_parser(name: str) -> None:
     """model.reasoning_parser names one of vLLM's reasoning parsers (read from its source,
     as the engine's arguments are): a wrong name is one line listing them, before any
     engine starts."""
-    known = vllm_reasoning_parsers()
-    if known is not None and name not in known:
-        import difflib
-
-        close = difflib.get_close_matches(name, sorted(known), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"model.reasoning_parser {name!r} is not one of vLLM's reasoning "
-                          f"parsers; {hint}vLLM has: {', '.join(sorted(known))}")
+    _check_parser("model.reasoning_parser", name, vllm_reasoning_parsers(), "reasoning")
 
 
 def check_tool_parser(name: str) -> None:
-    """model.tool_parser names one of vLLM's tool parsers (read from its source, as the
-    reasoning parsers are): a wrong name is one line listing them, before any engine starts."""
-    known = vllm_tool_parsers()
+    """model.tool_parser names one of vLLM's tool parsers, checked as a reasoning parser is."""
+    _check_parser("model.tool_parser", name, vllm_tool_parsers(), "tool")
+
+
+def _check_parser(key: str, name: str, known: frozenset[str] | None, kind: str) -> None:
     if known is not None and name not in known:
         import difflib
 
         close = difflib.get_close_matches(name, sorted(known), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"model.tool_parser {name!r} is not one of vLLM's tool parsers; "
+        raise ConfigError(f"{key} {name!r} is not one of vLLM's {kind} parsers; "
                           f"{hint}vLLM has: {', '.join(sorted(known))}")
 
 
