@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import cli, job_config, one_line_error, write_jsonl
@@ -121,20 +122,19 @@ def test_a_bad_set_is_named_as_the_set_not_the_file(tiny_model, tmp_path, capsys
     one_line_error(err, "--set promt.template=x: promt: unknown key (did you mean 'prompt'?)")
 
 
-def test_a_misspelt_template_column_suggests_the_close_one(tiny_model, tmp_path, capsys):
-    path = _job(tmp_path, tiny_model, prompt={"template": "{{ titel }}"})
+@pytest.mark.parametrize("sections, needle", [
+    ({"prompt": {"template": "{{ titel }}"}},
+     "prompt.template uses column 'titel', which the input does not have "
+     "(did you mean 'title'?); its columns are: title, description"),
+    ({"input": {"id_column": "descripton"}},
+     "input.id_column 'descripton' is not a column of the input (did you mean 'description'?)"),
+], ids=["template column", "id column"])
+def test_a_misspelt_column_suggests_the_close_one(tiny_model, tmp_path, capsys, sections,
+                                                  needle):
+    path = _job(tmp_path, tiny_model, **sections)
     code, _, err = cli("validate", path, capsys=capsys)
     assert code == 2
-    one_line_error(err, "prompt.template uses column 'titel', which the input does not have "
-                   "(did you mean 'title'?); its columns are: title, description")
-
-
-def test_a_misspelt_id_column_suggests_the_close_one(tiny_model, tmp_path, capsys):
-    path = _job(tmp_path, tiny_model, input={"id_column": "descripton"})
-    code, _, err = cli("validate", path, capsys=capsys)
-    assert code == 2
-    one_line_error(err, "input.id_column 'descripton' is not a column of the input "
-                   "(did you mean 'description'?)")
+    one_line_error(err, needle)
 
 
 # -- validate's blocks and resources.batch_size
