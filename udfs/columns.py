@@ -34,6 +34,17 @@ IMAGE_TOKENS = "image_tokens"
 # Internal: the row's 0-based position in the whole input, across files. Orders the output
 # and names the parts, so a resumed job knows which rows are done without reading them.
 ORDINAL = "__overnight_ordinal"
+# Internal: the row's place in the order a job runs its rows, where that is not the input's (a
+# job whose rows are grouped by prompt prefix, pipelines/order/): it cuts the blocks and names
+# the parts in place of ORDINAL, which still says which input row it is.
+POSITION = "__overnight_position"
+
+
+def place_column(table: pa.Table) -> str:
+    """The column that places a table's rows in the job's run: POSITION where it has one."""
+    return POSITION if POSITION in table.column_names else ORDINAL
+
+
 PROMPT_TOKEN_IDS = "__overnight_prompt_token_ids"
 PROMPT_MESSAGES = "__overnight_prompt_messages"  # JSON; only for an engine that wants them
 # A prompt's images, in the order it holds them (udfs/rows/images.py): each its bytes or its path

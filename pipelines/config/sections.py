@@ -336,6 +336,12 @@ class ResourcesConfig(Strict):
     blocks_in_flight: int = Field(
         4, ge=1, description="Blocks each engine holds at once, so it never drains between "
         "blocks: a new block's requests join the running batch as soon as it arrives.")
+    group_by_prefix: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run rows that share a prompt head (a system prompt and examples, "
+        "a document asked several questions) one after another, so the engine's prefix cache "
+        "computes each head once; the output keeps the input's order and values. auto: where "
+        "it puts a tenth of the prompt tokens or more next to a head they share, beyond input "
+        "order; on: wherever any do; off: input order.")
     address: str | None = Field(
         None, description="An existing Ray cluster to run on: 'auto', 'HOST:PORT' or "
         "'ray://HOST:10001'; default: a Ray started for the job on this machine. The project's "
@@ -343,6 +349,10 @@ class ResourcesConfig(Strict):
     accelerator_type: str | None = Field(
         None, description="Pin engines to one kind of accelerator, e.g. A100, H100, MI300X "
         "(Ray's accelerator_type).")
+
+    @model_serializer(mode="wrap")
+    def _new_left_out(self, dump):
+        return left_out_at_default(dump(self), {"group_by_prefix": "auto"})
 
     @field_validator("replicas")
     @classmethod

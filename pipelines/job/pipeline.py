@@ -21,6 +21,7 @@ from pipelines.job.resources import (LIGHT_STAGE_CPUS, ReplicaPlan, check_paths_
 from pipelines.job.stage import stage
 from pipelines.job.summary import RunSummary
 from pipelines.job.watchdog import watch
+from pipelines.order import grouped
 from pipelines.plan.preflight import plan_job
 from pipelines.plan.specs import JobPlan
 from pipelines.read import blocks_at_once, read_dataset
@@ -174,14 +175,28 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         done = store.resume(layout.block_starts, plan.input.num_rows)
         only_rows = store.remaining or None
         todo = _rows_to_run(plan, done, only_rows)
-    _start_progress(config, plan, store, progress, todo, retry_errors)
+    # rows sharing a prompt head run one after another (pipelines/order/), where that pays
+    order, run_plan, run_layout = None, plan, layout
+    if reusing is None and len(done) < len(plan.input.blocks) and not (
+            grouped.why_not(config, plan, retry_errors)):
+        with stage("grouping the rows by prompt prefix"):
+            order = grouped.head_order(config, plan, store.staging, progress,
+                                       fresh=not done and not only_rows)
+    if order is not None:  # the job reads the input's copy in head order
+        run_plan, run_layout = order.plan, order.layout(layout)
+        done, only_rows = order.open()
+        todo = _rows_to_run(run_plan, done, only_rows)
+    _start_progress(config, run_plan, store, progress, todo, retry_errors)
     times = RunTimes(started)  # this run's part records, added up: replicas, times
     progress.phase("starting Ray")
     with ray_session(config.resources.address, verbose=verbose):
         ray_ready = time.time()
-        recovery, samples = _generate(config, plan, store, layout, done, only_rows, progress,
-                                      times, retry_errors=retry_errors, verbose=verbose,
-                                      from_step=(reused or {}).get("from_step"))
+        recovery, samples = _generate(config, run_plan, store, run_layout, done, only_rows,
+                                      progress, times, retry_errors=retry_errors,
+                                      verbose=verbose, from_step=(reused or {}).get("from_step"))
+        if order is not None:
+            with stage("putting the rows back in input order", kept=True):
+                order.restore(layout.block_starts, int(config.output.file_size_mb * (1 << 20)))
         stats = _compact(config, plan, store, layout)
     summary = _summarize(config, plan, store, stats, todo, reused, recovery, started)
     record = _commit(config, plan, store, summary)

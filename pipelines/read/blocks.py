@@ -89,8 +89,16 @@ def read_unit(unit: ReadUnit, schema: pa.Schema) -> Iterator[pa.Table]:
     else:
         tables = (_jsonl_table(rows, schema) for rows in _jsonl_blocks(unit))
     for block, table in zip(unit.blocks, tables):
-        ordinals = pa.array(range(block.ordinal, block.ordinal + block.num_rows), pa.int64())
-        yield conform(table, schema).append_column(columns.ORDINAL, ordinals)
+        places = pa.array(range(block.ordinal, block.ordinal + block.num_rows), pa.int64())
+        if columns.ORDINAL in table.column_names:
+            # a copy of the input in another order (pipelines/order/): each row brings its
+            # ordinal, and its place in the copy places it in the run
+            ordinals = table.column(columns.ORDINAL)
+            yield (conform(table.drop_columns([columns.ORDINAL]), schema)
+                   .append_column(columns.ORDINAL, ordinals)
+                   .append_column(columns.POSITION, places))
+        else:
+            yield conform(table, schema).append_column(columns.ORDINAL, places)
 
 
 def _parquet_blocks(unit: ReadUnit) -> Iterator[pa.Table]:

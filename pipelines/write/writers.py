@@ -118,7 +118,7 @@ class PartWriter(Writer):
         steps = (json.loads(batch.column(columns.STEP_COUNTS)[0].as_py())
                  if columns.STEP_COUNTS in batch.column_names and batch.num_rows else None)
         batch, pieces = _whole_rows(batch)
-        for rows in runs(batch.column(columns.ORDINAL), self.layout.block_starts):
+        for rows in runs(batch.column(columns.place_column(batch)), self.layout.block_starts):
             records.append(self.write_run(batch.take(rows), steps))
             if steps is not None:
                 steps = []  # the batch's other parts: their input rows, no counts again
@@ -130,8 +130,8 @@ class PartWriter(Writer):
 
     def write_run(self, block: pa.Table, steps: list[dict] | None) -> dict:
         """A run of consecutive whole input rows of one block, written as its part."""
-        first = block.column(columns.ORDINAL)[0].as_py()
-        last = block.column(columns.ORDINAL)[-1].as_py()
+        places = block.column(columns.place_column(block))
+        first, last = places[0].as_py(), places[-1].as_py()
         part = self._drop(block, self._arrange(block))
         if self.layout.dedupe:
             part = part.take(self._dedupe(part))

@@ -60,8 +60,8 @@ class Chain:
         if self.starts is None or batch.num_rows == 0:
             yield batch
             return
-        ordinals = batch.column(columns.ORDINAL).to_numpy()
-        block = np.searchsorted(self.starts, ordinals, side="right")
+        places = batch.column(columns.place_column(batch)).to_numpy()
+        block = np.searchsorted(self.starts, places, side="right")
         bounds = [0, *(np.flatnonzero(np.diff(block)) + 1).tolist(), batch.num_rows]
         for start, end in zip(bounds, bounds[1:]):
             for first in range(start, end, self.most):

@@ -304,6 +304,15 @@ class PromptRenderer:
                               if ids is not None else self.render_row(rows[i], caps[i], found[i]))
         return results
 
+    def render_texts(self, rows: list[dict]) -> list[tuple[str, bool] | None]:
+        """Each row's prompt text and whether it is chat (tokenized without special tokens),
+        or None where the row cannot become a prompt (its error is the engine's to give)."""
+        out = []
+        for row in rows:
+            result = self._render_text(row)
+            out.append((result[0], result[1]) if isinstance(result, list) else None)
+        return out
+
     def _guarded(self, row: dict, cap: int | None) -> tuple:
         """A subclass's ``render_row``, whatever it raises this row's render_error."""
         try:
