@@ -61,6 +61,8 @@ SAMPLES = "__overnight_samples"
 # engine was ready and when the block's generation finished (Unix seconds).
 REPLICA = "__overnight_replica"
 READY_AT = "__overnight_ready_at"
+# and each request's prompt tokens its engine's prefix cache held (the report's hit rate)
+CACHED_TOKENS = "__overnight_cached_tokens"
 DONE_AT = "__overnight_done_at"
 INTERNAL_PREFIX = "__overnight_"
 

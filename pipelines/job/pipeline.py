@@ -205,6 +205,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
                                       stats=stats, timings={
             "started": started, "planned": planned, "ray_ready": ray_ready,
             **({"reuse_s": reuse_s} if reused is not None else {}),
+            **({"grouped": order.found.summary()} if order and order.found else {}),
             "finished": time.time()})
         summary.report_path = str(write_report(store.path, summary.report))
     return summary

@@ -98,7 +98,22 @@ def _time_lines(report: dict) -> list[str]:
         lines.append(f"  replica {number} on {r['node']} ({replica_hardware(r)})"
                      + (f", {r['dtype']}" if r.get("dtype") else "") + ": "
                      f"{r['rows']} rows, {r['output_tokens']:,} tok, "
-                     f"{r['output_tokens_per_s']:,.0f} tok/s")
+                     f"{r['output_tokens_per_s']:,.0f} tok/s"
+                     + (f", prefix cache {r['hit_rate']:.0%}" if "hit_rate" in r else ""))
+    return lines + _prefix_lines(report.get("prefix_cache"))
+
+
+def _prefix_lines(cache: dict | None) -> list[str]:
+    """What the engines' prefix cache saved; the rows' grouping by prompt head, where done."""
+    if not cache or not cache["prompt_tokens"]:
+        return []
+    lines = [f"prefix cache {cache['hit_rate']:.0%} of the prompt tokens held, not computed "
+             f"again ({cache['cached_tokens']:,} of {cache['prompt_tokens']:,})"]
+    grouped = cache.get("grouped_by_prefix")
+    if grouped:
+        lines.append(f"             rows run grouped by prompt head: "
+                     f"{grouped['shared_in_head_order'] / max(grouped['prompt_tokens'], 1):.0%}"
+                     " of their prompt tokens in heads they share")
     return lines
 
 

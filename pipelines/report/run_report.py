@@ -63,6 +63,8 @@ def build_report(output: str | Path, record: dict, *, timings: dict | None = Non
         report["reuse"] = _reuse(reuse, (config.get("report") or {}).get("price_per_mtok"))
     if timings and times is not None:
         _add_times(report, timings, times, samples)
+        if timings.get("grouped") and "prefix_cache" in report:  # pipelines/order/grouped.py
+            report["prefix_cache"]["grouped_by_prefix"] = timings["grouped"]
     report["sample_rows"] = _sample_rows(output, config, key)
     report["output_column"] = (config.get("output") or {}).get("column", "generated")
     return report
@@ -320,6 +322,7 @@ class RunTimes:
         self.started, self.points, self.width = started, points, 1.0  # a slice's seconds
         self.tokens = 0  # every part's; the rest counts generated parts only
         self.rows = self.prompt_tokens = 0
+        self.cached_tokens: int | None = None  # None: no engine said (an HTTP engine's)
         self.ready: float | None = None
         self.last: float | None = None
         self.replicas: dict[str, dict] = {}
@@ -336,8 +339,13 @@ class RunTimes:
         self.last = done if self.last is None else max(self.last, done)
         r = self.replicas.setdefault(part["replica"], {"rows": 0, "output_tokens": 0,
                                                        "parts": 0, "ready_at": ready,
-                                                       "last_done_at": done})
+                                                       "last_done_at": done,
+                                                       "prompt_tokens": 0, "cached_tokens": None})
         r["rows"] += part["rows"]
+        r["prompt_tokens"] += part["prompt_tokens"]
+        if part.get("cached_tokens") is not None:
+            r["cached_tokens"] = (r["cached_tokens"] or 0) + part["cached_tokens"]
+            self.cached_tokens = (self.cached_tokens or 0) + part["cached_tokens"]
         r["output_tokens"] += part["completion_tokens"]
         r["parts"] += 1
         r["ready_at"], r["last_done_at"] = min(r["ready_at"], ready), max(r["last_done_at"], done)
@@ -372,7 +380,8 @@ def _times(timings: dict, times: RunTimes) -> dict:
                             "cpu_threads": where.get("cpu_threads"), "dtype": where.get("dtype"),
                             "rows": r["rows"], "output_tokens": r["output_tokens"],
                             "parts": r["parts"], "seconds": round(busy, 2),
-                            "output_tokens_per_s": round(r["output_tokens"] / busy, 1)})
+                            "output_tokens_per_s": round(r["output_tokens"] / busy, 1),
+                            **_prefix_cache(r["prompt_tokens"], r["cached_tokens"])})
     return {
         "time": {"total_s": round(finished - started, 2),
                  "startup_s": round(ready - started, 2),
@@ -391,7 +400,17 @@ def _times(timings: dict, times: RunTimes) -> dict:
                        "prompt_tokens_per_s": round(times.prompt_tokens / generation, 1),
                        "per_replica": per_replica},
         "timeline": times.timeline(),
+        **({"prefix_cache": _prefix_cache(times.prompt_tokens, times.cached_tokens)}
+           if times.cached_tokens is not None else {}),
     }
+
+
+def _prefix_cache(prompt_tokens: int, cached_tokens: int | None) -> dict:
+    """The prompt tokens an engine's prefix cache held (vLLM's count), of those it was sent."""
+    if cached_tokens is None:
+        return {}
+    return {"prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
+            "hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0}
 
 
 def write_report(output: str | Path | Location, report: dict) -> Location:

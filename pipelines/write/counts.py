@@ -19,17 +19,20 @@ RECORD_SCHEMA = pa.schema([
     ("done_at", pa.float64()), ("written_at", pa.float64()), ("input_rows", pa.int64()),
     ("rows", pa.int64()), ("errors", pa.string()), ("skipped", pa.int64()),
     ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
-    ("steps", pa.string())])  # a job with steps: the part's per-step counts (JSON), or null
+    ("steps", pa.string()),  # a job with steps: the part's per-step counts (JSON), or null
+    ("cached_tokens", pa.int64())])  # prompt tokens the engine's prefix cache held
 
 
 def timing(block: pa.Table) -> dict:
     """Which replica generated the block, and when (the predictor's columns)."""
     if columns.REPLICA not in block.column_names:
         return {"replica": None, "ready_at": None, "done_at": None, "written_at": time.time()}
+    cached = (pc.sum(block.column(columns.CACHED_TOKENS)).as_py()
+              if columns.CACHED_TOKENS in block.column_names else None)
     return {"replica": block.column(columns.REPLICA)[0].as_py(),
             "ready_at": pc.min(block.column(columns.READY_AT)).as_py(),
             "done_at": pc.max(block.column(columns.DONE_AT)).as_py(),
-            "written_at": time.time()}
+            "written_at": time.time(), "cached_tokens": cached}
 
 
 COUNTED = [columns.ERROR_KIND, columns.FINISH_REASON, columns.PROMPT_TOKENS,

@@ -133,6 +133,9 @@ class GenerationResult:
     # (JSON text)}; ``text`` is then the content beside them (None: none). [] where it called
     # none; None for a request without tools
     tool_calls: list[dict] | None = None
+    # the prompt's tokens the engine's prefix cache held (vLLM's num_cached_tokens): not
+    # computed again
+    cached_tokens: int | None = None
 
 
 def token_logprob(token: str | None, token_id: int | None, logprob: float,

@@ -18,6 +18,7 @@ def result(out, top: int | None = None, reasoning: Reasoning | None = None,
         logprobs=None if top is None else _logprobs(completion, top),
         prompt_tokens=(len(out.prompt_token_ids) if out.prompt_token_ids is not None
                        else None),
+        cached_tokens=getattr(out, "num_cached_tokens", None),
     )
     return result if reasoning is None else reasoning.split(
         result, out.prompt_token_ids, completion, chat_template_kwargs)

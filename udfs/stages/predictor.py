@@ -414,8 +414,12 @@ class Predictor:
                                          pa.array(out.reasoning, pa.string()))
                      .append_column(columns.REASONING_TOKENS,
                                     pa.array(out.reasoning_tokens, pa.int64())))
+        cached = [None] * n
+        for i, result in zip(todo, results):
+            cached[i] = getattr(result, "cached_tokens", None)
         release_free_memory()
         return (batch
+                .append_column(columns.CACHED_TOKENS, pa.array(cached, pa.int64()))
                 .append_column(columns.REPLICA, rows_of(self.replica, pa.string()))
                 .append_column(columns.READY_AT, rows_of(self.ready_at, pa.float64()))
                 .append_column(columns.DONE_AT, rows_of(time.time(), pa.float64()))
