@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -237,3 +240,24 @@ def override_rows() -> list[dict]:
             row["notes"] = f"keep me {i}"
         out.append(row)
     return out
+
+
+def kill_after_parts(config_path: Path, staging: Path, parts: int, sig: int):
+    """Start ``overnight run`` and send ``sig`` to its whole process group (the driver, Ray,
+    the engine) once ``parts`` parts are committed: a spot reclaim, or Ctrl-C."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(config_path),
+                             "--quiet"], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if staging.exists() and len(list(staging.glob("part-*.parquet"))) >= parts:
+            os.killpg(proc.pid, sig)
+            break
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=120)
+    if sig == signal.SIGKILL:  # nothing of the group may linger and write more parts
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, stderr

@@ -23,7 +23,7 @@ import yaml
 from pipelines import load_config, run_job
 from pipelines.write import part_name, part_range
 
-from conftest import REPO, job_config
+from conftest import REPO, job_config, kill_after_parts
 
 ROWS = 240
 BLOCK = 4
@@ -64,27 +64,6 @@ def reference(resume_job, ray_cluster):
 def overnight(*args, **kwargs):
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *map(str, args)],
                           capture_output=True, text=True, cwd=REPO, timeout=600, **kwargs)
-
-
-def kill_after_parts(config_path: Path, staging: Path, parts: int, sig: int):
-    """Start ``overnight run`` and send ``sig`` to its whole process group (the driver, Ray,
-    the engine) once ``parts`` parts are committed: a spot reclaim, or Ctrl-C."""
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(config_path),
-                             "--quiet"], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if staging.exists() and len(list(staging.glob("part-*.parquet"))) >= parts:
-            os.killpg(proc.pid, sig)
-            break
-        time.sleep(0.05)
-    _, stderr = proc.communicate(timeout=120)
-    if sig == signal.SIGKILL:  # nothing of the group may linger and write more parts
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, stderr
 
 
 def settled_parts(staging: Path, quiet_s: float = 5.0) -> list[str]:

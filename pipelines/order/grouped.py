@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.order.heads import HeadReader, Heads
+from pipelines.order.heads import MIN_HEAD, HeadReader, Heads
 from pipelines.read import Block, InputPlan, read_unit, read_units
 from pipelines.read.schema import SOURCE_NAME
 from pipelines.storage import Location
@@ -61,8 +61,8 @@ class Found:
     def line(self) -> str:
         share = self.shared_in_head_order / max(self.prompt_tokens, 1)
         before = self.shared_in_input_order / max(self.prompt_tokens, 1)
-        return (f"{share:.0%} of the prompt tokens are in heads rows share "
-                f"({before:.0%} next to each other in input order)")
+        return (f"{share:.0%} of the prompt tokens are in heads of {MIN_HEAD}+ tokens that "
+                f"rows share ({before:.0%} next to each other in input order)")
 
     def summary(self) -> dict:
         return {"rows": self.rows, "prompt_tokens": self.prompt_tokens,
@@ -73,6 +73,27 @@ class Found:
 def found_in(heads: Heads) -> Found:
     return Found(len(heads.lengths), heads.prompt_tokens, heads.shared_tokens(),
                  heads.shared_tokens(heads.grouped_order()))
+
+
+def will_group(config, found: Found) -> bool:
+    """Whether a job whose heads are ``found`` runs in head order (none of ``why_not``)."""
+    if found.shared_in_head_order <= found.shared_in_input_order:
+        return False
+    return config.resources.group_by_prefix == "on" or found.gain >= WORTH
+
+
+def plan_line(config, plan, found: Found) -> str:
+    """``overnight validate``'s line: what the heads share, and the order the job will run in."""
+    reason = why_not(config, plan, retry_errors=False)
+    if reason is None and HeadReader.for_model(plan.render) is None:
+        reason = "the model's tokenizer.json is not here to read"
+    if reason is None:
+        then = ("the job runs them grouped by prompt prefix" if will_group(config, found) else
+                "the job runs them in input order (grouping would gain less than "
+                f"{WORTH:.0%} of them)")
+    else:
+        then = f"the job runs them in input order ({reason})"
+    return f"prompt heads: {found.line()}; {then}"
 
 
 def why_not(config, plan, retry_errors: bool) -> str | None:
@@ -202,8 +223,7 @@ def head_order(config, plan, staging: Location, progress=None,
     table = pa.concat_tables(tables)
     heads = reader.heads(table)
     found = found_in(heads)
-    if found.shared_in_head_order <= found.shared_in_input_order or (
-            mode == "auto" and found.gain < WORTH):
+    if not will_group(config, found):
         return None
     if progress is not None:
         progress.say(f"grouping rows by prompt prefix: {found.line()}")

@@ -19,6 +19,9 @@ from udfs.stages.prompts import PromptRenderer, RenderSpec
 # and within them those equal to 1024. The cache reuses whole KV blocks (16 tokens and up):
 # the ladder starts there.
 DEPTHS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# A head worth grouping for: a shorter one (a template's first lines, a system prompt) stays in
+# the cache whatever the order, as every row touches it
+MIN_HEAD = 128
 NO_PROMPT = np.uint64(2**64 - 1)  # a row that does not render: after every head, in input order
 
 
@@ -38,7 +41,8 @@ class Heads:
 
     def shared_tokens(self, order: np.ndarray | None = None) -> int:
         """Prompt tokens each row shares with the row before it in ``order`` (default: input
-        order), at the ladder's resolution: what a cache holding one head at a time saves."""
+        order), at the ladder's resolution, in heads of ``MIN_HEAD`` tokens or more: what a
+        cache holding one such head at a time saves."""
         order = np.arange(len(self.lengths)) if order is None else order
         if len(order) < 2:
             return 0
@@ -46,7 +50,8 @@ class Heads:
         # hashes chain: equal at a depth, equal at every shallower one
         depth = (keys[1:] == keys[:-1]).sum(axis=1)
         shared = np.where(depth > 0, np.asarray(DEPTHS)[np.maximum(depth - 1, 0)], 0)
-        return int(np.minimum(shared, np.minimum(lengths[1:], lengths[:-1])).sum())
+        shared = np.minimum(shared, np.minimum(lengths[1:], lengths[:-1]))
+        return int(shared[shared >= MIN_HEAD].sum())
 
     @property
     def prompt_tokens(self) -> int:

@@ -10,10 +10,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow.compute as pc
 
 from pipelines.config import JobConfig
 from pipelines.errors import one_line
+from pipelines.order.grouped import found_in, plan_line
+from pipelines.order.heads import Heads, head_keys
 from pipelines.plan.preflight import plan_job
 from pipelines.plan.specs import JobPlan
 from pipelines.read import blocks_at_once, read_block
@@ -35,6 +38,7 @@ class ValidationReport:
     skipped: int = 0
     samples: list[str] = field(default_factory=list)
     reuse: str | None = None  # with output.reuse: the rows it would carry over, and why not
+    heads: list = field(default_factory=list)  # each rendered row's head hashes and length
 
     def percentile(self, q: float) -> int:
         ordered = sorted(self.lengths)
@@ -86,6 +90,10 @@ class ValidationReport:
                        + "; ".join(self.error_examples[kind]))
         if not self.errors:
             out.append("will fail: no row")
+        if self.heads and p.pooling is None:
+            keys = np.array([k for k, _ in self.heads], dtype=np.uint64)
+            found = found_in(Heads(keys, np.array([n for _, n in self.heads], dtype=np.int64)))
+            out.append(plan_line(p.config, p, found))
         if self.reuse:
             out.append(self.reuse)
         for i, text in enumerate(self.samples):
@@ -113,6 +121,9 @@ def validate_job(config: JobConfig) -> ValidationReport:
     for block in plan.input.blocks:
         table = renderer(read_block(block, plan.input.schema))
         report.rows += table.num_rows
+        if columns.PROMPT_TOKEN_IDS in table.column_names:  # the heads rows share
+            report.heads.extend(head_keys(ids) for ids in
+                                table.column(columns.PROMPT_TOKEN_IDS).to_pylist())
         keys = table.column(key).to_pylist()
         for i, (n, kind, error, reason) in enumerate(zip(
                 table.column(columns.PROMPT_TOKENS).to_pylist(),
