@@ -177,6 +177,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         todo = _rows_to_run(plan, done, only_rows)
     # rows sharing a prompt head run one after another (pipelines/order/), where that pays
     order, run_plan, run_layout = None, plan, layout
+    grouping_started = time.time()
     if reusing is None and len(done) < len(plan.input.blocks) and not (
             grouped.why_not(config, plan, retry_errors)):
         with stage("grouping the rows by prompt prefix"):
@@ -186,6 +187,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         run_plan, run_layout = order.plan, order.layout(layout)
         done, only_rows = order.open()
         todo = _rows_to_run(run_plan, done, only_rows)
+    grouping_s = time.time() - grouping_started
     _start_progress(config, run_plan, store, progress, todo, retry_errors)
     times = RunTimes(started)  # this run's part records, added up: replicas, times
     progress.phase("starting Ray")
@@ -195,8 +197,10 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
                                       progress, times, retry_errors=retry_errors,
                                       verbose=verbose, from_step=(reused or {}).get("from_step"))
         if order is not None:
+            restore_started = time.time()
             with stage("putting the rows back in input order", kept=True):
                 order.restore(layout.block_starts, int(config.output.file_size_mb * (1 << 20)))
+            restore_s = time.time() - restore_started
         stats = _compact(config, plan, store, layout)
     summary = _summarize(config, plan, store, stats, todo, reused, recovery, started)
     record = _commit(config, plan, store, summary)
@@ -205,7 +209,8 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
                                       stats=stats, timings={
             "started": started, "planned": planned, "ray_ready": ray_ready,
             **({"reuse_s": reuse_s} if reused is not None else {}),
-            **({"grouped": order.found.summary()} if order and order.found else {}),
+            **({"grouped": order.found.summary(), "grouping_s": grouping_s,
+                "restore_s": restore_s} if order and order.found else {}),
             "finished": time.time()})
         summary.report_path = str(write_report(store.path, summary.report))
     return summary

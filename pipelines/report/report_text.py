@@ -80,9 +80,12 @@ def _time_lines(report: dict) -> list[str]:
     lines = [f"time         {t['total_s']:.1f} s = start-up {t['startup_s']:.1f} s "
              f"(pre-flight {t['preflight_s']:.1f}, "
              + (f"reuse {t['reuse_s']:.1f}, " if "reuse_s" in t else "")
+             + (f"grouping by prefix {t['grouping_s']:.1f}, " if "grouping_s" in t else "")
              + f"Ray {t['ray_start_s']:.1f}, "
              f"engines {t['engine_start_s']:.1f}) + generation "
-             f"{t['generation_s']:.1f} s + finish {t['finish_s']:.1f} s"]
+             f"{t['generation_s']:.1f} s + finish {t['finish_s']:.1f} s"
+             + (f" (the rows put back in input order: {t['restore_s']:.1f} s)"
+                if "restore_s" in t else "")]
     if t.get("engine_idle_s") is not None:
         lines.append(f"engines idle {t['engine_idle_s']:.1f} s of the generation, waiting "
                      "for blocks (summed over replicas)")

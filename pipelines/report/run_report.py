@@ -388,8 +388,14 @@ def _times(timings: dict, times: RunTimes) -> dict:
                  "preflight_s": round(timings["planned"] - started, 2),
                  # output.reuse: finding the rows to carry over and staging them
                  **({"reuse_s": round(timings["reuse_s"], 2)} if "reuse_s" in timings else {}),
+                 # rows grouped by prompt head: the copy in head order, and the output put
+                 # back in input order (pipelines/order/grouped.py)
+                 **({"grouping_s": round(timings["grouping_s"], 2),
+                     "restore_s": round(timings["restore_s"], 2)}
+                    if "grouping_s" in timings else {}),
                  "ray_start_s": round(timings["ray_ready"] - timings["planned"]
-                                      - timings.get("reuse_s", 0), 2),
+                                      - timings.get("reuse_s", 0)
+                                      - timings.get("grouping_s", 0), 2),
                  "engine_start_s": round(ready - timings["ray_ready"], 2),
                  "generation_s": round(generation, 2),
                  "finish_s": round(finished - last, 2)},
