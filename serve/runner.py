@@ -315,7 +315,9 @@ class Runner:
                      "format": "anthropic" if errors is None else "openai",
                      "model": self.model, "served_model_name": self.served_model,
                      "quiet": True, "config": None if config is None else str(config),
-                     "overrides": list(self.overrides)}
+                     # in input order: a running batch's counts, and what a cancel or an
+                     # expiry delivers, are read from its job's parts in input order
+                     "overrides": [*self.overrides, "resources.group_by_prefix=off"]}
         with open(folder / "log.txt", "ab") as log_file:
             log_file.write(RUN_MARK.encode())  # where this run's own error would start
             log_file.flush()

@@ -126,6 +126,10 @@ def test_a_grouped_run_killed_mid_way_resumes_to_the_same_output(qa_job, in_inpu
     assert code == -signal.SIGKILL
     staged = sorted(p.name for p in (root / "killed.partial" / PARTS_FOLDER).glob("part-*"))
     assert 3 <= len(staged) < DOCUMENTS * QUESTIONS // 4
+    # status counts the parts written in head order
+    code, out, _ = cli("status", root / "killed", capsys=capsys)
+    written = sum(part_range(name)[1] - part_range(name)[0] for name in staged)
+    assert f"rows: {written}/{DOCUMENTS * QUESTIONS} written" in out
     code, _, err = cli("run", path, capsys=capsys)
     assert code == 0, err
     expected, _ = in_input_order

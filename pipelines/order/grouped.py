@@ -70,6 +70,13 @@ class Found:
                 "shared_in_head_order": self.shared_in_head_order}
 
 
+def running_parts(staging: Location) -> Location:
+    """Where a running job writes its parts: the head-order folder of a run grouped by head
+    (its rows still in head order), else the staging folder (``overnight status``, ``view``)."""
+    grouped = staging / PARTS_FOLDER
+    return grouped if grouped.exists() else staging
+
+
 def found_in(heads: Heads) -> Found:
     return Found(len(heads.lengths), heads.prompt_tokens, heads.shared_tokens(),
                  heads.shared_tokens(heads.grouped_order()))

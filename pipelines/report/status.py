@@ -6,6 +6,7 @@ import time
 
 from pipelines.errors import OutputError
 from pipelines.job.summary import RunSummary
+from pipelines.order.grouped import running_parts
 from pipelines.write import OutputStore, list_parts, summarize_part
 from udfs import columns
 
@@ -28,7 +29,7 @@ def output_status(path: str) -> list[str]:
     live = state in ("running", "retrying", "committing") and store.staging.exists()
     id_column = record.get("fingerprint", {}).get("input", {}).get("id_column")
     key_column = id_column or columns.ROW_ID
-    folder = store.staging if live else store.path
+    folder = running_parts(store.staging) if live else store.path
     summary = RunSummary(output=str(store.path))
     for part in list_parts(folder)[0]:
         summary.add_part(summarize_part(folder / part.name, key_column))

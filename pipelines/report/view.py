@@ -27,6 +27,7 @@ from starlette.requests import Request  # (at the top: FastAPI reads the routes'
 from pipelines.errors import ConfigError, OutputError, one_line
 from pipelines.report.filters import FilterError
 from pipelines.storage import Location
+from pipelines.order.grouped import running_parts
 from pipelines.write import OutputStore, list_parts, summarize_part
 from udfs import columns
 
@@ -54,7 +55,7 @@ class JobView:
         record = self.store.read_record() or {}
         live = record.get("state") in ("running", "retrying", "committing") \
             and self.store.staging.exists()
-        folder = self.store.staging if live else self.store.path
+        folder = running_parts(self.store.staging) if live else self.store.path
         files = [Path(str(folder / p.name)) for p in list_parts(folder)[0]] \
             if folder.exists() else []  # (a batch's output its owner deleted)
         return record, Path(str(folder)), files
