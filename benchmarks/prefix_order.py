@@ -8,7 +8,7 @@ Tables (the bench-size tiny model, ~800-token heads, greedy, 16 output tokens, f
   qa        --documents documents asked --questions questions each, question by question (all
             documents for the first question, then the second...);
   few-shot  --categories categories, each its own few-shot head, --rows-b rows shuffled;
-  unique    --rows-b rows whose prompts share nothing but the template's first line.
+  unique    --rows-unique rows whose prompts share nothing.
 The engine's KV cache holds --cache-heads heads (of the ~800 tokens) at once, so in input order
 a head is gone before the next row that needs it comes. Each table runs, in fresh processes:
   bare input order  ``vllm.LLM.generate`` on the prompts (the pipeline's own token ids) in the
@@ -66,7 +66,7 @@ def tables(work: Path, args) -> dict[str, tuple[Path, list]]:
            for i in range(args.rows_b)]
     rng.shuffle(few)
     unique = [{"id": f"u{i:05d}", "head": text(rng, args.head_words), "text": text(rng, 12)}
-              for i in range(args.rows_b)]
+              for i in range(args.rows_unique)]
     out = {}
     for name, rows in (("qa", qa), ("few-shot", few), ("unique", unique)):
         path = work / f"{name}.parquet"
@@ -152,7 +152,8 @@ def main() -> None:
     ap.add_argument("--documents", type=int, default=100)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--categories", type=int, default=40)
-    ap.add_argument("--rows-b", type=int, default=400, help="rows of few-shot and unique")
+    ap.add_argument("--rows-b", type=int, default=400, help="rows of the few-shot table")
+    ap.add_argument("--rows-unique", type=int, default=200, help="rows of the unique table")
     ap.add_argument("--head-words", type=int, default=780, help="about a token a word: ~800-token heads")
     ap.add_argument("--cache-heads", type=int, default=10,
                     help="heads the engine's KV cache holds at once")

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipelines.errors import one_line
 from pipelines.order.heads import MIN_HEAD, HeadReader, Heads
 from pipelines.read import Block, InputPlan, read_unit, read_units
 from pipelines.read.schema import SOURCE_NAME
@@ -214,24 +215,16 @@ def head_order(config, plan, staging: Location, progress=None,
     reader = HeadReader.for_model(plan.render)
     if reader is None:
         return None
-    mode = config.resources.group_by_prefix
-    units, tables, read = read_units(plan.input.blocks), [], 0
-    for unit in units:  # the first rows first: where they share no head, no more is read
-        tables.extend(read_unit(unit, plan.input.schema))
-        read += 1
-        if sum(t.num_rows for t in tables) >= SAMPLE_ROWS:
-            break
-    if read < len(units):
-        sample = found_in(reader.heads(pa.concat_tables(tables)))
-        if mode == "auto" and sample.gain < WORTH:
-            return None
-        for unit in units[read:]:
-            tables.extend(read_unit(unit, plan.input.schema))
-    table = pa.concat_tables(tables)
-    heads = reader.heads(table)
-    found = found_in(heads)
-    if not will_group(config, found):
+    try:
+        read = _heads_of(config, plan, reader)
+    except Exception as exc:  # noqa: BLE001 - the order rows run in, never a reason to stop
+        if progress is not None:
+            progress.say(f"the prompts' heads could not be read ({one_line(exc, 200)}): the "
+                         "rows run in input order")
         return None
+    if read is None:
+        return None
+    table, heads, found = read
     if progress is not None:
         progress.say(f"grouping rows by prompt prefix: {found.line()}")
     copy = table.take(pa.array(heads.grouped_order(), pa.int64()))
@@ -239,6 +232,27 @@ def head_order(config, plan, staging: Location, progress=None,
     (staging / COPY_NAME).write(lambda tmp: pq.write_table(copy, tmp, row_group_size=block_rows))
     (staging / PARTS_FOLDER).mkdir()
     return HeadOrder(staging, _copy_plan(plan, staging / COPY_NAME), found)
+
+
+def _heads_of(config, plan, reader: HeadReader) -> tuple[pa.Table, Heads, Found] | None:
+    """The input, its rows' heads and what they share, where grouping them pays; None where
+    it does not (the first rows are looked at first: sharing nothing there, no more is read)."""
+    units, tables, read = read_units(plan.input.blocks), [], 0
+    for unit in units:
+        tables.extend(read_unit(unit, plan.input.schema))
+        read += 1
+        if sum(t.num_rows for t in tables) >= SAMPLE_ROWS:
+            break
+    if read < len(units):
+        sample = found_in(reader.heads(pa.concat_tables(tables)))
+        if config.resources.group_by_prefix == "auto" and sample.gain < WORTH:
+            return None
+        for unit in units[read:]:
+            tables.extend(read_unit(unit, plan.input.schema))
+    table = pa.concat_tables(tables)
+    heads = reader.heads(table)
+    found = found_in(heads)
+    return (table, heads, found) if will_group(config, found) else None
 
 
 def _copy_plan(plan, copy: Location):
