@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import replace
 
 from pipelines.config import JobConfig
 from pipelines.errors import JobError, OutputError, StageError, one_line, root_cause
-from pipelines.job.cpu_share import OtherLoad
+from pipelines.job.health import Health
 from pipelines.job.progress import Progress
 from pipelines.job.resources import (LIGHT_STAGE_CPUS, ReplicaPlan, check_paths_shared,
                                      plan_replicas, ray_session)
@@ -175,18 +174,9 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         done = store.resume(layout.block_starts, plan.input.num_rows)
         only_rows = store.remaining or None
         todo = _rows_to_run(plan, done, only_rows)
-    # rows sharing a prompt head run one after another (pipelines/order/), where that pays
-    order, run_plan, run_layout = None, plan, layout
     grouping_started = time.time()
-    if reusing is None and len(done) < len(plan.input.blocks) and not (
-            grouped.why_not(config, plan, retry_errors)):
-        with stage("grouping the rows by prompt prefix"):
-            order = grouped.head_order(config, plan, store.staging, progress,
-                                       fresh=not done and not only_rows)
-    if order is not None:  # the job reads the input's copy in head order
-        run_plan, run_layout = order.plan, order.layout(layout)
-        done, only_rows = order.open()
-        todo = _rows_to_run(run_plan, done, only_rows)
+    order, run_plan, run_layout, (done, only_rows, todo) = _in_head_order(
+        config, plan, store, layout, progress, (done, only_rows, todo), reusing, retry_errors)
     grouping_s = time.time() - grouping_started
     _start_progress(config, run_plan, store, progress, todo, retry_errors)
     times = RunTimes(started)  # this run's part records, added up: replicas, times
@@ -196,11 +186,7 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
         recovery, samples = _generate(config, run_plan, store, run_layout, done, only_rows,
                                       progress, times, retry_errors=retry_errors,
                                       verbose=verbose, from_step=(reused or {}).get("from_step"))
-        if order is not None:
-            restore_started = time.time()
-            with stage("putting the rows back in input order", kept=True):
-                order.restore(layout.block_starts, int(config.output.file_size_mb * (1 << 20)))
-            restore_s = time.time() - restore_started
+        restore_s = _restore_input_order(config, order, layout) if order is not None else 0.0
         stats = _compact(config, plan, store, layout)
     summary = _summarize(config, plan, store, stats, todo, reused, recovery, started)
     record = _commit(config, plan, store, summary)
@@ -214,6 +200,32 @@ def _run_job(config: JobConfig, *, overwrite: bool, retry_errors: bool,
             "finished": time.time()})
         summary.report_path = str(write_report(store.path, summary.report))
     return summary
+
+
+def _in_head_order(config: JobConfig, plan: JobPlan, store: OutputStore, layout: PartLayout,
+                   progress: Progress, opened: tuple, reusing, retry_errors: bool) -> tuple:
+    """Rows sharing a prompt head run one after another (pipelines/order/), where that pays:
+    (the order or None, the plan, layout and ``opened`` (done, only_rows, todo) to run by)."""
+    done, only_rows, _ = opened
+    if reusing is not None or len(done) >= len(plan.input.blocks) or grouped.why_not(
+            config, plan, retry_errors):
+        return None, plan, layout, opened
+    with stage("grouping the rows by prompt prefix"):
+        order = grouped.head_order(config, plan, store.staging, progress,
+                                   fresh=not done and not only_rows)
+    if order is None:
+        return None, plan, layout, opened
+    done, only_rows = order.open()  # the job reads the input's copy in head order
+    return order, order.plan, order.layout(layout), (
+        done, only_rows, _rows_to_run(order.plan, done, only_rows))
+
+
+def _restore_input_order(config: JobConfig, order, layout: PartLayout) -> float:
+    """A run in head order's rows put back in input order; its seconds."""
+    started = time.time()
+    with stage("putting the rows back in input order", kept=True):
+        order.restore(layout.block_starts, int(config.output.file_size_mb * (1 << 20)))
+    return time.time() - started
 
 
 def _refuse_flags(config: JobConfig, retry_errors: bool) -> None:
@@ -291,7 +303,7 @@ def _generate(config: JobConfig, plan: JobPlan, store: OutputStore, layout: Part
     # the cores of this machine, where the engines run on it (not a cluster's elsewhere)
     local = config.resources.address is None and config.engine.kind != "http"
     # (a CPU engine's threads are its cores; a GPU engine's are not counted, only the others')
-    health = _Health(plan.config.engine.max_restarts, progress, check_cores=local,
+    health = Health(plan.config.engine.max_restarts, progress, check_cores=local,
                      engine_cores=(replicas.cpu_threads or 0) * replicas.replicas or None)
     ds = build_dataset(plan, layout, frozenset(done), only_rows, health=health.name,
                        others=not retry_errors, from_step=from_step)
@@ -417,73 +429,6 @@ def job_metadata(plan: JobPlan) -> dict:
     return meta
 
 
-
-
-MAX_SAMPLES = 1000  # the report's throughput-over-time samples, at most about
-OTHERS_EVERY = 10  # polls between two readings of the cores other processes use
-
-
-class _Health:
-    """The job's EngineHealth actor (udfs/engines/recovery.py): the replicas' live counts,
-    read every ``every`` seconds into the progress line and the report's samples; its summary
-    of engine deaths once the job ends."""
-
-    def __init__(self, max_restarts: int, progress: Progress, every: float = 1.0,
-                 check_cores: bool = False, engine_cores: float | None = None):
-        import uuid
-
-        import ray
-
-        from udfs.engines.recovery import EngineHealth
-
-        self.name = f"overnight-health-{uuid.uuid4().hex[:12]}"
-        self.actor = ray.remote(EngineHealth).options(
-            name=self.name, num_cpus=0, lifetime=None).remote(max_restarts)
-        self.samples: list[dict] = []  # {"t": Unix seconds, "tokens": generated so far}
-        self._stop = threading.Event()
-        # engines on this machine: whether other processes share its cores, said once
-        self.others = OtherLoad() if check_cores else None
-        if self.others is not None:
-            self.others.others_cores(0)  # the first reading, to count from
-        self.engine_cores = engine_cores
-        self._poller = threading.Thread(target=self._poll, args=(progress, every),
-                                        name="overnight-progress", daemon=True)
-        self._poller.start()
-
-    def _poll(self, progress: Progress, every: float) -> None:
-        import ray
-
-        polls = 0
-        while not self._stop.wait(every):
-            polls += 1
-            if self.others is not None and polls % OTHERS_EVERY == 0:
-                line = self.others.busy_line(self.others.others_cores(OTHERS_EVERY * every),
-                                             self.engine_cores)
-                if line is not None:
-                    progress.say(line)
-                    self.others = None  # once
-            try:
-                counts = ray.get(self.actor.snapshot.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - Ray going away: the job's own error says why
-                return
-            self.samples.append({"t": time.time(), "tokens": counts["tokens"],
-                                 "requests": counts["requests"],
-                                 "idle_s": counts.get("idle_s", 0)})
-            if len(self.samples) > 2 * MAX_SAMPLES:  # a night's job: one in two, the last kept
-                self.samples = self.samples[-1::-2][::-1]
-            progress.update_live(counts)
-
-    def close(self) -> dict:
-        import ray
-
-        self._stop.set()
-        self._poller.join(timeout=15)
-        try:
-            return ray.get(self.actor.summary.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - the summary is a report's extra, never a failure
-            return {}
-        finally:
-            ray.kill(self.actor)
 
 
 def _quiet_ray_data(verbose: bool) -> None:
