@@ -102,6 +102,7 @@ def test_grouping_lets_the_prefix_cache_hold_each_document_for_its_next_question
     assert cache["cached_tokens"] > 2 * plain_cache["cached_tokens"]
     replica = report["throughput"]["per_replica"][0]
     assert replica["cached_tokens"] == cache["cached_tokens"]
+    assert replica["prefix_caching"] is True  # vLLM's default for this model on CPU
 
 
 def test_validate_says_what_the_heads_share_and_the_order_the_job_will_run_in(qa_job, capsys):

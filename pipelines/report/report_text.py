@@ -102,7 +102,9 @@ def _time_lines(report: dict) -> list[str]:
                      + (f", {r['dtype']}" if r.get("dtype") else "") + ": "
                      f"{r['rows']} rows, {r['output_tokens']:,} tok, "
                      f"{r['output_tokens_per_s']:,.0f} tok/s"
-                     + (f", prefix cache {r['hit_rate']:.0%}" if "hit_rate" in r else ""))
+                     + (f", prefix cache {r['hit_rate']:.0%}" if "hit_rate" in r else "")
+                     + (", prefix caching off (the engine's choice for this model)"
+                        if r.get("prefix_caching") is False else ""))
     return lines + _prefix_lines(report.get("prefix_cache"))
 
 

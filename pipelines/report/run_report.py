@@ -378,6 +378,7 @@ def _times(timings: dict, times: RunTimes) -> dict:
                             "actor": where.get("actor"),
                             "gpus": where.get("gpus", []),
                             "cpu_threads": where.get("cpu_threads"), "dtype": where.get("dtype"),
+                            "prefix_caching": where.get("prefix_caching"),
                             "rows": r["rows"], "output_tokens": r["output_tokens"],
                             "parts": r["parts"], "seconds": round(busy, 2),
                             "output_tokens_per_s": round(r["output_tokens"] / busy, 1),

@@ -113,6 +113,11 @@ class VLLMEngine:
                                              build_there=cpu)
         # what the engine computes in, as the run report names it
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        # whether its prefix cache holds shared prompt heads (vLLM's choice for the model and
+        # the platform: off for an MLA model on CPU), as the run report says per replica
+        self.prefix_caching = bool(getattr(getattr(getattr(
+            self.llm.llm_engine, "vllm_config", None), "cache_config", None),
+            "enable_prefix_caching", False))
         self.reasoning = (Reasoning(self.llm, reasoning_parser, self.chat_template_kwargs)
                           if reasoning_parser else None)
         self.tools = ToolCalling(self.llm, tool_parser) if tool_parser else None

@@ -163,8 +163,11 @@ class Predictor:
         self.recovery.watch(self.engine)
         threads = getattr(self.engine, "cpu_threads", None)  # a CPU engine's compute threads
         dtype = getattr(self.engine, "dtype", None)
+        caching = getattr(self.engine, "prefix_caching", None)  # an in-process vLLM engine's
         self.replica = json.dumps({**where, **({"cpu_threads": threads} if threads else {}),
-                                   **({"dtype": dtype} if dtype else {})})
+                                   **({"dtype": dtype} if dtype else {}),
+                                   **({"prefix_caching": caching} if caching is not None
+                                      else {})})
         self.sampling = sampling
         self.output_column = output_column
         self.ready_at = time.time()
