@@ -317,7 +317,7 @@ class Runner:
                      "quiet": True, "config": None if config is None else str(config),
                      # in input order: a running batch's counts, and what a cancel or an
                      # expiry delivers, are read from its job's parts in input order
-                     "overrides": [*self.overrides, "resources.group_by_prefix=off"]}
+                     "overrides": [*self.overrides, "resources.group_by_prefix=false"]}
         with open(folder / "log.txt", "ab") as log_file:
             log_file.write(RUN_MARK.encode())  # where this run's own error would start
             log_file.flush()

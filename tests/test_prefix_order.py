@@ -113,7 +113,7 @@ def test_validate_says_what_the_heads_share_and_the_order_the_job_will_run_in(qa
     assert "(0% next to each other in input order)" in line
     assert line.endswith("the job runs them grouped by prompt prefix")
     code, out, _ = cli("validate", write_config("validated-off", "off"), capsys=capsys)
-    assert "the job runs them in input order (resources.group_by_prefix is off)" in out
+    assert "the job runs them in input order (resources.group_by_prefix: false)" in out
 
 
 def test_a_grouped_run_killed_mid_way_resumes_to_the_same_output(qa_job, in_input_order,
@@ -207,3 +207,21 @@ def test_cuts_fall_where_an_input_block_starts():
     assert _cuts(ordinals, (0, 4, 8), nbytes=200, target_bytes=1) == [(0, 8), (8, 16),
                                                                      (16, 20)]
     assert _cuts(ordinals, (0, 4, 8), nbytes=200, target_bytes=10_000) == [(0, 20)]
+
+
+def test_the_setting_reads_yaml_on_and_off_and_refuses_anything_else(tmp_path, capsys):
+    """YAML reads an unquoted on / off as true / false; --set as well."""
+    from pipelines.config.sections import ResourcesConfig
+
+    for text, expected in (("auto", "auto"), ("on", True), ("off", False), ("'off'", False),
+                           ("true", True), ("no", False)):
+        loaded = yaml.safe_load(f"group_by_prefix: {text}")
+        assert ResourcesConfig(**loaded).group_by_prefix == expected, text
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_config("model", tmp_path / "in.jsonl", tmp_path / "out",
+                                              resources={"group_by_prefix": "sometimes"})))
+    code, _, err = cli("validate", path, capsys=capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"overnight: error: {path}: resources.group_by_prefix: must be auto, true or false "
+        "(got 'sometimes')"]

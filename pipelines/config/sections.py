@@ -336,12 +336,13 @@ class ResourcesConfig(Strict):
     blocks_in_flight: int = Field(
         4, ge=1, description="Blocks each engine holds at once, so it never drains between "
         "blocks: a new block's requests join the running batch as soon as it arrives.")
-    group_by_prefix: Literal["auto", "on", "off"] = Field(
+    # (a bool: YAML reads an unquoted on / off as true / false)
+    group_by_prefix: bool | Literal["auto"] = Field(
         "auto", description="Run rows that share a prompt head (a system prompt and examples, "
         "a document asked several questions) one after another, so the engine's prefix cache "
         "computes each head once; the output keeps the input's order and values. auto: where "
         "it puts a tenth of the prompt tokens or more next to a head they share, beyond input "
-        "order; on: wherever any do; off: input order.")
+        "order; true: wherever any do; false: input order.")
     address: str | None = Field(
         None, description="An existing Ray cluster to run on: 'auto', 'HOST:PORT' or "
         "'ray://HOST:10001'; default: a Ray started for the job on this machine. The project's "
@@ -353,6 +354,17 @@ class ResourcesConfig(Strict):
     @model_serializer(mode="wrap")
     def _new_left_out(self, dump):
         return left_out_at_default(dump(self), {"group_by_prefix": "auto"})
+
+    @field_validator("group_by_prefix", mode="before")
+    @classmethod
+    def _auto_or_a_bool(cls, value):
+        """auto, or true / false, however YAML or --set spelled them (on, off, yes, no)."""
+        if isinstance(value, str) and value.lower() in ("on", "off", "true", "false", "yes",
+                                                        "no"):
+            return value.lower() in ("on", "true", "yes")
+        if value == "auto" or isinstance(value, bool):
+            return value
+        raise ValueError("must be auto, true or false")
 
     @field_validator("replicas")
     @classmethod

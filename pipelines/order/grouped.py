@@ -87,7 +87,7 @@ def will_group(config, found: Found) -> bool:
     """Whether a job whose heads are ``found`` runs in head order (none of ``why_not``)."""
     if found.shared_in_head_order <= found.shared_in_input_order:
         return False
-    return config.resources.group_by_prefix == "on" or found.gain >= WORTH
+    return config.resources.group_by_prefix is True or found.gain >= WORTH
 
 
 def plan_line(config, plan, found: Found) -> str:
@@ -106,8 +106,8 @@ def plan_line(config, plan, found: Found) -> str:
 
 def why_not(config, plan, retry_errors: bool) -> str | None:
     """Why this job runs in input order whatever its heads, or None."""
-    if config.resources.group_by_prefix == "off":
-        return "resources.group_by_prefix is off"
+    if config.resources.group_by_prefix is False:
+        return "resources.group_by_prefix: false"
     if retry_errors:
         return "--retry-errors runs a few rows"
     if config.steps is not None:
