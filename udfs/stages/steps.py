@@ -296,8 +296,9 @@ class StepsPredictor:
                            *((_REASONING, columns.REASONING_TOKENS),) * thinking):
             out = _replace(out, total, pc.add(out.column(total),
                                               pc.fill_null(out.column(own), 0)))
+        # (the prefix cache's count is the predictor's per request: a step's is not summed yet)
         out = out.drop_columns([columns.ERROR_KIND, columns.ERROR, columns.REPLICA,
-                                columns.READY_AT, columns.DONE_AT])
+                                columns.READY_AT, columns.DONE_AT, columns.CACHED_TOKENS])
         return out.rename_columns([meta.get(n, n) for n in out.column_names])
 
     def _finish(self, state: pa.Table, counts: list[dict]) -> pa.Table:
