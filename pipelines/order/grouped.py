@@ -243,14 +243,16 @@ def _heads_of(config, plan, reader: HeadReader) -> tuple[pa.Table, Heads, Found]
         read += 1
         if sum(t.num_rows for t in tables) >= SAMPLE_ROWS:
             break
+    heads = reader.heads(pa.concat_tables(tables))
     if read < len(units):
-        sample = found_in(reader.heads(pa.concat_tables(tables)))
-        if config.resources.group_by_prefix == "auto" and sample.gain < WORTH:
+        if config.resources.group_by_prefix == "auto" and found_in(heads).gain < WORTH:
             return None
-        for unit in units[read:]:
-            tables.extend(read_unit(unit, plan.input.schema))
+        rest = [t for unit in units[read:] for t in read_unit(unit, plan.input.schema)]
+        more = reader.heads(pa.concat_tables(rest))  # the first rows' heads are not read again
+        heads = Heads(np.vstack([heads.keys, more.keys]),
+                      np.concatenate([heads.lengths, more.lengths]))
+        tables.extend(rest)
     table = pa.concat_tables(tables)
-    heads = reader.heads(table)
     found = found_in(heads)
     return (table, heads, found) if will_group(config, found) else None
 
