@@ -6,6 +6,7 @@ replica builds its engine: the import alone takes seconds. The thread that runs 
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Sequence
 
@@ -72,6 +73,17 @@ def _import_vllm():
     return vllm
 
 
+def _built(vllm, kwargs: dict):
+    """``vllm.LLM(**kwargs)``, with the objects of the imports frozen out of the collector's way:
+    vLLM's start collects garbage several times (loading the weights, dropping its profile's
+    cache) and freezes the heap itself once built; each collection then walks what the start
+    made, not every module imported before it."""
+    llm_class = vllm.LLM  # the import of vllm.entrypoints.llm, first
+    gc.collect()
+    gc.freeze()
+    return llm_class(**kwargs)
+
+
 def _lora_requests(adapters: dict) -> dict:
     """One LoRARequest per adapter, its id fixed for the engine's life (vLLM caches by id)."""
     from vllm.lora.request import LoRARequest
@@ -109,7 +121,7 @@ class VLLMEngine:
         kwargs = llm_kwargs(spec.model, opts, cpu, reasoning_parser, adapters, lora)
         self.llm = None
         # On CPU the stepper thread builds the engine as well as running it: see Stepper
-        self._stepper = self.stepper_class()(self, build=lambda: vllm.LLM(**kwargs),
+        self._stepper = self.stepper_class()(self, build=lambda: _built(vllm, kwargs),
                                              build_there=cpu)
         # what the engine computes in, as the run report names it
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
