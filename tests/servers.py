@@ -177,8 +177,9 @@ class Server:
     """``overnight serve`` as a child process, on a free port; started again on the same
     data directory and port after a kill."""
 
-    def __init__(self, root: Path, tiny_model: str, *args: str):
+    def __init__(self, root: Path, tiny_model: str, *args: str, env: dict | None = None):
         self.root, self.port, self.args = root, free_port(), list(args)
+        self.env = {**os.environ, **(env or {})}  # the server's, and its batches' children's
         (root / "keys.txt").write_text(f"# test keys\n{KEY}\n{OTHER_KEY}\n")
         # what a batch needs on this machine (see tests/test_batch.py); blocks of 512 rows
         (root / "job.yaml").write_text(json.dumps({
@@ -194,7 +195,7 @@ class Server:
              str(self.root / "job.yaml"), "--data-dir", str(self.root / "data"), "--port",
              str(self.port), "--api-keys-file", str(self.root / "keys.txt"),
              "--max-upload-mb", "8", *self.args], cwd=REPO, stdout=log,
-            stderr=subprocess.STDOUT)
+            stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 300  # the resident engine loads first
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log()

@@ -10,6 +10,9 @@ driver, Ray's workers), and it breaks the in-process engine the way the test ask
                                == OVERNIGHT_TEST_POISON_TOKENS, after creating the marker
                                file: the test, seeing it, kills the whole job (a spot reclaim
                                in the middle of the step whose requests ask for that many)
+  OVERNIGHT_TEST_FAULT=hold    a request the HTTP engine (a served batch's) would send with
+                               max_tokens == OVERNIGHT_TEST_POISON_TOKENS never gets an answer:
+                               a batch's slow tail without the CPU of generating it
 
 "Once per job" is kept by a marker file (OVERNIGHT_TEST_FAULT_MARKER), so the engine that
 replaces the broken one runs normally. The fault strikes at the Nth request added
@@ -20,7 +23,22 @@ import os
 
 FAULT = os.environ.get("OVERNIGHT_TEST_FAULT")
 
-if FAULT:
+if FAULT == "hold":
+    import asyncio
+
+    import udfs.engines.http_engine as http_module
+
+    _one = http_module.HTTPEngine._one
+    _held = int(os.environ.get("OVERNIGHT_TEST_POISON_TOKENS", "-1"))
+
+    async def _held_one(self, request):
+        if request.max_tokens == _held:
+            await asyncio.sleep(3600)
+        return await _one(self, request)
+
+    http_module.HTTPEngine._one = _held_one
+
+elif FAULT:
     import signal
     import time
 
