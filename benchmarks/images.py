@@ -35,6 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.throughput import commit  # noqa: E402
+
 KV = 256 << 20
 TEMPLATE = "Describe this product photo. Its title: {{ title }}"
 
@@ -220,14 +223,12 @@ def main() -> None:
             sizes[rows]["texts_equal_bare"] = ours["texts"] == reference["texts"]
         print(json.dumps({rows: sizes[rows]}), file=sys.stderr)
     small, large = (sizes[r]["overnight"]["peak_tree_pss_mib"] for r in args.rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO).stdout.strip()
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "source": args.source,
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "source": args.source,
               "photo_bytes": round(sum(p.stat().st_size for p in paths) / len(paths)),
               "tokens_per_row": args.tokens, "rows": sizes,
               "peak_pss_large_over_small": round(large / small, 3)}
     print(json.dumps(result, indent=2))
-    name = f"images-{result['date']}-{commit}-{args.rows[0]}-{args.rows[1]}-{args.source}.json"
+    name = f"images-{result['date']}-{result['commit']}-{args.rows[0]}-{args.rows[1]}-{args.source}.json"
     out = REPO / "benchmarks" / "results" / name
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written: {out.relative_to(REPO)}")

@@ -26,6 +26,8 @@ from statistics import median
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.throughput import commit  # noqa: E402
+
 BARE = """
 import vllm
 vllm.LLM(model={model!r}, dtype="float32", max_model_len=512, kv_cache_memory_bytes=128 << 20,
@@ -105,10 +107,8 @@ def main() -> None:
                "in_process_job / bare engine start": round(cpu / bare["cpu_s"], 2),
                "cli job / bare engine start": round(cli["cpu_s"] / bare["cpu_s"], 2)}
     print(json.dumps(summary, indent=1))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
     Path(args.out).write_text(json.dumps({
-        "commit": commit, "load_average_1_5_15_min": os.getloadavg(), "bare": bare,
+        "commit": commit(), "load_average_1_5_15_min": os.getloadavg(), "bare": bare,
         "in_process": in_process, "cli": cli, "summary": summary}, indent=1) + "\n")
     print(f"wrote {args.out}")
 

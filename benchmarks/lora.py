@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from throughput import WORDS  # noqa: E402  (the benchmarks' shared vocabulary)
+from throughput import WORDS, commit  # noqa: E402  (the benchmarks' shared helpers)
 
 KV = 1 << 30
 
@@ -186,10 +186,8 @@ def main() -> None:
             runs["overnight" + suffix].append(ours["tokens_per_s"])
             same = same and ours["texts"] == reference["texts"]
     tps = {k: round(median(v), 1) for k, v in runs.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO).stdout.strip()
     result = {
-        "date": time.strftime("%Y-%m-%d"), "commit": commit, "rows": args.rows,
+        "date": time.strftime("%Y-%m-%d"), "commit": commit(), "rows": args.rows,
         "adapters": args.adapters, "tokens_per_row": args.tokens, "repeat": args.repeat,
         "output_tokens_per_s": tps,
         "overnight_over_bare": round(tps["overnight"] / tps["bare"], 3),
@@ -200,7 +198,7 @@ def main() -> None:
         "texts_equal_bare": same,
     }
     print(json.dumps(result, indent=2))
-    out = REPO / "benchmarks" / "results" / f"lora-{result['date']}-{commit}.json"
+    out = REPO / "benchmarks" / "results" / f"lora-{result['date']}-{result['commit']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written: {out.relative_to(REPO)}")
 

@@ -40,7 +40,7 @@ from statistics import median
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.throughput import generation_window, run_pipeline, write  # noqa: E402
+from benchmarks.throughput import commit, generation_window, run_pipeline, write  # noqa: E402
 
 WORDS = ("the a product lamp chair table shirt shoe phone cable bag bottle soft bright warm "
          "cool steel wood cotton wool glass leather red blue green black white small large "
@@ -271,12 +271,7 @@ def report(args, results: dict) -> None:
     for r in results.values():
         for a in r["arms"].values():
             a.pop("texts", None)
-    write(args, {"commit": _commit(), "summary": summary, "tables": results})
-
-
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=REPO).stdout.strip()
+    write(args, {"commit": commit(), "summary": summary, "tables": results})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.products import make_products  # noqa: E402
 from benchmarks.scale import _requests, job, run_job_measured, scratch_with_model  # noqa: E402
-from benchmarks.throughput import REPO  # noqa: E402
+from benchmarks.throughput import REPO, commit  # noqa: E402
 
 
 def measured(args, config: dict, work: Path, name: str, files: list[Path]) -> dict:
@@ -74,7 +73,7 @@ def main() -> None:
               f"{again['driver_peak_rss_mib']:.0f} MiB", file=sys.stderr)
     small, large = results[str(args.rows[0])], results[str(args.rows[-1])]
     growth = large["reuse"]["driver_peak_rss_mib"] - small["reuse"]["driver_peak_rss_mib"]
-    out = {"measured": time.strftime("%Y-%m-%d"), "commit": _commit(), "note": args.note,
+    out = {"measured": time.strftime("%Y-%m-%d"), "commit": commit(), "note": args.note,
            "rows": args.rows, "results": results,
            "reuse_driver_rss_growth_mib": growth,
            "criteria": {"speedup_at_largest_10x": large["speedup"] >= 10,
@@ -85,11 +84,6 @@ def main() -> None:
                                                   for r in results.values())}}
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(out["criteria"]), file=sys.stderr)
-
-
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=REPO).stdout.strip()
 
 
 if __name__ == "__main__":

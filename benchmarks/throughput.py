@@ -42,6 +42,12 @@ WORDS = ("soft bright lamp chair steel wood cotton glass leather warm cool moder
          "durable elegant quiet small large light heavy premium").split()
 
 
+def commit() -> str:
+    """The checked-out commit, short: every results file names the code it measured."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=REPO).stdout.strip()
+
+
 def make_input(path: Path, rows: int, lo: int, hi: int, seed: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
