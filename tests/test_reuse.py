@@ -3,14 +3,13 @@ unchanged and generates the rest; its output equals a from-scratch run over the 
 
 The tables: 200 rows (3 with a null description: errors, generated again), then a new version
 with 1% of rows edited, 1% added, 1% removed, a column the prompt does not read changed on a
-few rows, and every row shuffled. The equivalence runs are real vLLM; the count of requests
-that reach the engine comes from the stand-in engine (benchmarks/standin), in a run of the CLI.
+few rows, and every row shuffled. Every run is real vLLM in this process's Ray; the rows that
+reach the engine are counted by the replicas themselves (``through_replicas``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -25,8 +24,8 @@ import yaml
 from pipelines import load_config, run_job
 from pipelines.plan.validate import validate_job
 
-from conftest import REPO, job_config
-from test_resume import kill_after_parts, overnight, settled_parts
+from conftest import cli, job_config
+from test_resume import kill_after_parts, settled_parts
 
 ROWS = 200
 NULLS = (5, 77, 150)  # rows without a description: on_null error, in both tables
@@ -67,17 +66,25 @@ def config(tiny_model, root: Path, table: str, out: str, **sections) -> dict:
         "resources": {"batch_size": 8}, "report": {"price_per_mtok": PRICES}, **sections})
 
 
+def through_replicas(result) -> int:
+    """The rows a run's replicas generated, as the run's report counts them from the replica's
+    own columns on each part it wrote (``throughput.per_replica``). The rows carried over are
+    staged as parts of their own, without those columns, and never pass a replica; a row
+    refused before the engine (a null description) does pass, as an error."""
+    return sum(r["rows"] for r in result.report.get("throughput", {}).get("per_replica", []))
+
+
 @pytest.fixture(scope="session")
 def greedy_runs(tiny_model, reuse_tables, ray_cluster):
     """The first table's run; the second table's run reusing it; the second from scratch."""
     root = reuse_tables
-    run_job(load_config(config(tiny_model, root, "v1.parquet", "greedy")))
+    first = run_job(load_config(config(tiny_model, root, "v1.parquet", "greedy")))
     predicted = validate_job(load_config(config(tiny_model, root, "v2.parquet", "greedy",
                                                 output={"reuse": True}))).reuse
     incremental = run_job(load_config(config(tiny_model, root, "v2.parquet", "greedy",
                                              output={"reuse": True})))
     scratch = run_job(load_config(config(tiny_model, root, "v2.parquet", "greedy-scratch")))
-    return predicted, incremental, scratch
+    return predicted, incremental, scratch, first
 
 
 def expected_counts() -> dict:
@@ -89,7 +96,7 @@ def expected_counts() -> dict:
 
 def test_an_incremental_run_equals_a_from_scratch_run_over_the_new_table(greedy_runs,
                                                                           reuse_tables):
-    _, incremental, scratch = greedy_runs
+    _, incremental, scratch, _ = greedy_runs
     out = pl.read_parquet(reuse_tables / "greedy")
     fresh = pl.read_parquet(reuse_tables / "greedy-scratch")
     assert out["sku"].to_list() == [r["sku"] for r in second_table()]  # the new table's order
@@ -105,7 +112,7 @@ def test_an_incremental_run_equals_a_from_scratch_run_over_the_new_table(greedy_
 
 
 def test_validate_predicts_the_rows_a_run_reuses(greedy_runs):
-    predicted, incremental, _ = greedy_runs
+    predicted, incremental, _, _ = greedy_runs
     c = expected_counts()
     assert predicted == (f"reuse: {c['reused']} of {ROWS} rows reusable from "
                          f"{incremental.output}; {c['generated']} to generate; "
@@ -114,7 +121,7 @@ def test_validate_predicts_the_rows_a_run_reuses(greedy_runs):
 
 
 def test_the_report_counts_the_rows_and_tokens_reused(greedy_runs, reuse_tables):
-    _, incremental, _ = greedy_runs
+    _, incremental, _, _ = greedy_runs
     reuse = incremental.report["reuse"]
     first = pl.read_parquet(reuse_tables / "greedy")
     carried = first.filter(pl.col("error").is_null()
@@ -187,33 +194,30 @@ def test_a_seeded_job_reuses_a_snapshot_elsewhere_with_its_samples_together(
     assert scratch.reuse is None
 
 
-def test_only_the_new_and_changed_rows_reach_the_engine(tiny_model, reuse_tables, tmp_path):
-    """Counted by the stand-in engine (every request it answers, in a file), in runs of the
-    CLI: the changed table's run asks for its new, edited and failed rows alone; a run with
-    another template for all of them; a run of the same table with other resources, none."""
+def test_only_the_new_and_changed_rows_reach_the_engine(greedy_runs, tiny_model, reuse_tables):
+    """Counted by the replicas: the first table's run generates every row; the changed table's
+    run reusing it, its new, edited and failed rows alone; a run with other resources reusing
+    that output, the failed rows alone (failed rows are always generated again); a run with
+    another template, every row. (The 3 null rows among them fail again before the engine.)"""
     root = reuse_tables
-    requests = tmp_path / "requests.txt"
-    env = {**os.environ, "OVERNIGHT_BENCH_STANDIN": "1",
-           "OVERNIGHT_BENCH_REQUESTS": str(requests),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "standin"), str(REPO)])}
+    _, incremental, _, first = greedy_runs
+    assert through_replicas(first) == ROWS
+    assert through_replicas(incremental) == expected_counts()["generated"]
+    nulls = incremental.output.rstrip("/")  # (the second table's output, reused below)
 
-    def run(table: str, *flags: str, **sections) -> int:
-        path = tmp_path / "job.yaml"
-        path.write_text(yaml.safe_dump(config(tiny_model, root, table, "counted", **sections)))
-        requests.unlink(missing_ok=True)
-        done = overnight("run", path, "--quiet", *flags, env=env)
-        assert done.returncode == 0, done.stderr
-        return sum(int(n) for n in requests.read_text().split()) if requests.exists() else 0
+    def run(out: str, **sections) -> int:
+        return through_replicas(run_job(load_config(config(
+            tiny_model, root, "v2.parquet", out, output={"reuse_from": nulls}, **sections))))
 
-    assert run("v1.parquet") == ROWS - len(NULLS)  # (a null row is refused before)
-    assert run("v2.parquet", "--reuse") == expected_counts()["generated"] - len(NULLS)
-    assert run("v2.parquet", "--reuse", resources={"batch_size": 16}) == 0
-    templated = {"prompt": {"template": "Name: {{ title }}\n{{ description }}"}}
-    assert run("v2.parquet", "--reuse", **templated) == ROWS - len(NULLS)
+    assert run("counted-b16", resources={"batch_size": 16}) == len(NULLS)
+    assert pl.read_parquet(root / "counted-b16").equals(pl.read_parquet(root / "greedy-scratch"))
+    templated = {"prompt": {"system": "Be brief.",
+                            "template": "Name: {{ title }}\n{{ description }}"}}
+    assert run("counted-templated", **templated) == ROWS
 
 
 def test_an_incremental_run_killed_half_way_resumes_to_the_uninterrupted_output(
-        tiny_model, reuse_tables, ray_cluster):
+        tiny_model, reuse_tables, ray_cluster, capsys):
     """The second half of the rows edited; the reuse run SIGKILLed (its whole process group)
     once about half of the rows it generates are written, run again: the same output as a
     run not stopped."""
@@ -237,39 +241,40 @@ def test_an_incremental_run_killed_half_way_resumes_to_the_uninterrupted_output(
     assert sorted(p.name for p in (root / "killed").glob("part-*")) == before  # untouched
     record = json.loads((root / "killed.overnight.json").read_text())
     assert record["state"] == "running" and record["reuse"]["reused"] == ROWS // 2 - 2
-    resumed = overnight("run", path, "--quiet")
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"reused: {ROWS // 2 - 2} rows carried over" in resumed.stdout
+    code, out, err = cli("run", path, "--quiet", capsys=capsys)  # (in this process's Ray)
+    assert code == 0, err
+    assert f"reused: {ROWS // 2 - 2} rows carried over" in out
     run_job(load_config(config(tiny_model, root, "half.parquet", "unbroken", **sampled)))
     assert pl.read_parquet(root / "killed").equals(pl.read_parquet(root / "unbroken"))
 
 
-def test_reuse_tells_in_one_line_what_it_cannot_use(tiny_model, reuse_tables, tmp_path):
+def test_reuse_tells_in_one_line_what_it_cannot_use(tiny_model, reuse_tables, tmp_path, capsys):
     root = reuse_tables
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config(tiny_model, root, "v2.parquet", "nowhere")))
-    missing = overnight("validate", path, "--reuse-from", tmp_path / "no-such-output")
-    assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines()[-1].endswith(
+    code, _, err = cli("validate", path, "--reuse-from", tmp_path / "no-such-output",
+                       capsys=capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1].endswith(
         f"output.reuse_from {str(tmp_path / 'no-such-output')!r}: no such output")
-    assert "Traceback" not in missing.stderr
+    assert "Traceback" not in err
     # an output written before request keys: nothing to match, said
     old = tmp_path / "old"
     old.mkdir()
     pq.write_table(pa.table({"sku": ["S0001"], "generated": ["x"], "error": [None]},
                             ), old / "part-000000000000-000000000001.parquet")
-    before = overnight("validate", path, "--reuse-from", old)
-    assert before.returncode == 0, before.stderr
+    code, out, err = cli("validate", path, "--reuse-from", old, capsys=capsys)
+    assert code == 0, err
     assert (f"reuse: 0 of {ROWS} rows reusable from {old}; {ROWS} to generate (the earlier "
-            "output has no request_key column") in before.stdout
+            "output has no request_key column") in out
     deduped = tmp_path / "deduped.yaml"
     deduped.write_text(yaml.safe_dump(config(
         tiny_model, root, "v2.parquet", "nowhere", output={"reuse": True, "dedupe": True},
         sampling={"temperature": 0.8, "n": 2})))
-    refused = overnight("validate", deduped)
-    assert refused.returncode == 2
-    assert "output.reuse does not apply to output.dedupe" in refused.stderr
-    assert "Traceback" not in refused.stderr
+    code, _, err = cli("validate", deduped, capsys=capsys)
+    assert code == 2
+    assert "output.reuse does not apply to output.dedupe" in err
+    assert "Traceback" not in err
 
 
 # A job of steps: a sampled step with two samples a row, then a greedy judge of each sample
@@ -296,7 +301,7 @@ def steps_runs(tiny_model, reuse_tables, ray_cluster):
     def job(table, out, judge=JUDGE, **sections):
         return load_config(steps_config(tiny_model, root, table, out, judge, **sections))
 
-    run_job(job("v1.parquet", "steps"))
+    first = run_job(job("v1.parquet", "steps"))
     rows = validate_job(job("v2.parquet", "steps", output={"reuse": True})).reuse
     whole = run_job(job("v2.parquet", "steps", output={"reuse": True}))
     run_job(job("v2.parquet", "steps-scratch"))
@@ -304,7 +309,8 @@ def steps_runs(tiny_model, reuse_tables, ray_cluster):
     last = validate_job(job("v2.parquet", "steps", JUDGE_AGAIN, output={"reuse": True})).reuse
     judged = run_job(job("v2.parquet", "steps", JUDGE_AGAIN, output={"reuse": True}))
     run_job(job("v2.parquet", "steps-judged-scratch", JUDGE_AGAIN))
-    return {"rows": rows, "whole": whole, "last": last, "judged": judged, "before": before}
+    return {"rows": rows, "whole": whole, "last": last, "judged": judged, "before": before,
+            "first": first}
 
 
 def test_a_job_of_steps_run_again_equals_a_from_scratch_run_with_its_samples_together(
@@ -347,49 +353,50 @@ def test_a_changed_last_step_is_all_a_job_of_steps_generates_again(steps_runs, r
     assert "the steps before 'judge'" in line
 
 
+def generated(result) -> list[int]:
+    """Each step's rows generated in a job of steps' run (the step's own count, over the rows it
+    returned: a sample each; the rows it carried over or refused before the engine are not
+    among them); a filter step generates nothing."""
+    return [s["rows_out"] if s["completion_tokens"] else 0 for s in result.report["steps"]]
+
+
 def test_a_job_of_steps_asks_the_engine_only_for_its_changed_rows_and_steps(
-        tiny_model, reuse_tables, tmp_path):
-    """Counted by the stand-in engine (a sequence a request): the first table (each row's two
-    rewrites, then a judge of each); the second reusing it (the new and edited rows' alone);
-    the second with the judge's prompt changed (the judge alone, of every rewrite); a filter
-    added after the last step (nothing). A change of a step before that filter reuses
-    nothing: the rows the filter dropped are not in the output; validate says so."""
+        steps_runs, tiny_model, reuse_tables, capsys):
+    """Counted by each step: the first table (each row's two rewrites, then a judge of each);
+    the second reusing it (the new and edited rows' alone); the second with the judge's prompt
+    changed (the judge alone, of every rewrite); a filter added after the last step (nothing).
+    A change of a step before that filter reuses nothing: the rows the filter dropped are not
+    in the output; validate says so."""
     root = reuse_tables
-    requests = tmp_path / "requests.txt"
-    env = {**os.environ, "OVERNIGHT_BENCH_STANDIN": "1",
-           "OVERNIGHT_BENCH_REQUESTS": str(requests),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "standin"), str(REPO)])}
-
-    path = tmp_path / "job.yaml"
-
-    def run(table: str, *flags: str, judge: str = JUDGE, more: tuple = ()) -> int:
-        path.write_text(yaml.safe_dump(steps_config(tiny_model, root, table, "steps-counted", judge,
-                                                    more)))
-        requests.unlink(missing_ok=True)
-        done = overnight("run", path, "--quiet", *flags, env=env)
-        assert done.returncode == 0, done.stderr
-        return sum(int(n) for n in requests.read_text().split()) if requests.exists() else 0
-
     rows = ROWS - len(NULLS)  # (a null row fails at its first step, before the engine)
-    assert run("v1.parquet") == 2 * rows + 2 * rows
+    assert generated(steps_runs["first"]) == [2 * rows, 2 * rows]
     new = len(EDITED) + ADDED
-    assert run("v2.parquet", "--reuse") == 2 * new + 2 * new
-    assert run("v2.parquet", "--reuse", judge=JUDGE_AGAIN) == 2 * rows
+    assert generated(steps_runs["whole"]) == [2 * new, 2 * new]
+    assert generated(steps_runs["judged"]) == [0, 2 * rows]
+    assert sum(s["completion_tokens"] for s in steps_runs["whole"].report["steps"]) > 0
     keep = ({"name": "keep", "where": "length(judge) > 3"},)
-    assert run("v2.parquet", "--reuse", judge=JUDGE_AGAIN, more=keep) == 0
-    path.write_text(yaml.safe_dump(steps_config(tiny_model, root, "v2.parquet", "steps-counted",
-                                                more=keep)))
-    said = overnight("validate", path, "--reuse", env=env)
-    assert said.returncode == 0, said.stderr
+    kept = run_job(load_config(steps_config(
+        tiny_model, root, "v2.parquet", "steps-kept", JUDGE_AGAIN, keep,
+        output={"reuse_from": str(root / "steps")})))
+    assert generated(kept) == [0, 0, 0]
+    assert kept.report["steps"][2]["rows_in"] == 2 * rows  # (every row, carried to the filter)
+    path = root / "steps-kept.yaml"
+    path.write_text(yaml.safe_dump(steps_config(tiny_model, root, "v2.parquet", "steps-kept",
+                                               more=keep)))
+    code, out, err = cli("validate", path, "--reuse", capsys=capsys)
+    assert code == 0, err
     assert ("(steps[1] (judge) changed, and the earlier job's step 'keep' after it drops "
             "rows, which its output does not hold (output.keep_dropped: true keeps them for a "
-            "next run))") in said.stdout
+            "next run))") in out
 
 
 def test_a_batch_file_run_again_after_an_edit_generates_only_its_new_and_changed_lines(
-        tiny_model, tmp_path):
-    """``overnight batch`` on an edited request file: the unchanged lines' results are carried
-    over (the stand-in engine counts the requests), and equal a run from scratch."""
+        tiny_model, tmp_path, ray_cluster):
+    """A Batch file run again after an edit (as ``overnight batch --overwrite`` does): the
+    unchanged lines' results are carried over (the replicas count the requests they got),
+    and equal a run from scratch."""
+    from pipelines.batchfile.run import run_batch_file
+
     def line(i: int, text: str) -> str:
         return json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                            "body": {"model": "m", "max_tokens": 4, "temperature": 0,
@@ -398,22 +405,18 @@ def test_a_batch_file_run_again_after_an_edit_generates_only_its_new_and_changed
     lines = [line(i, f"Say {i}") for i in range(40)]
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(lines) + "\n")
-    counted = tmp_path / "requests.txt"
-    env = {**os.environ, "OVERNIGHT_BENCH_STANDIN": "1", "OVERNIGHT_BENCH_REQUESTS": str(counted),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "standin"), str(REPO)])}
 
-    def batch(out: str, *flags: str) -> int:
-        counted.unlink(missing_ok=True)
-        done = overnight("batch", requests, "-o", tmp_path / out, "--model", tiny_model,
-                         "--set", "engine.kv_cache_memory_bytes=134217728", *flags, env=env)
-        assert done.returncode == 0, done.stderr
-        return sum(int(n) for n in counted.read_text().split()) if counted.exists() else 0
+    def batch(out: str, overwrite: bool = False) -> int:
+        done = run_batch_file(requests, tmp_path / out, model=tiny_model, overwrite=overwrite,
+                              overrides=["engine.kv_cache_memory_bytes=134217728"])
+        assert done["results"] == len(lines) and done["errors"] == 0
+        return through_replicas(done["summary"])
 
     assert batch("results.jsonl") == 40
     lines[3] = line(3, "Say three")
     lines.append(line(40, "Say forty"))
     requests.write_text("\n".join(reversed(lines)) + "\n")
-    assert batch("results.jsonl", "--overwrite") == 2  # (the result files are replaced)
+    assert batch("results.jsonl", overwrite=True) == 2  # (the result files are replaced)
     assert batch("scratch.jsonl") == 41
 
     def bodies(name: str) -> dict:
@@ -424,7 +427,7 @@ def test_a_batch_file_run_again_after_an_edit_generates_only_its_new_and_changed
 
 
 def test_a_job_of_steps_killed_while_it_reruns_a_changed_step_resumes_to_the_same_output(
-        steps_runs, tiny_model, reuse_tables):
+        steps_runs, tiny_model, reuse_tables, capsys):
     """The judge changed, so every row goes on from its carried rewrites (their states staged
     beside the parts), reusing the from-scratch output of steps_runs; the run SIGKILLed
     half-way and run again equals the from-scratch run with the changed judge."""
@@ -437,9 +440,9 @@ def test_a_job_of_steps_killed_while_it_reruns_a_changed_step_resumes_to_the_sam
     code, _ = kill_after_parts(path, root / "steps-killed.partial", blocks // 2, signal.SIGKILL)
     assert code == -signal.SIGKILL
     assert len(settled_parts(root / "steps-killed.partial")) < blocks
-    resumed = overnight("run", path, "--quiet")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "the steps before 'judge'" in resumed.stdout
+    code, out, err = cli("run", path, "--quiet", capsys=capsys)  # (in this process's Ray)
+    assert code == 0, err
+    assert "the steps before 'judge'" in out
     out = pl.read_parquet(root / "steps-killed")
     assert out.equals(pl.read_parquet(root / "steps-judged-scratch"))
     assert out.height == 2 * ROWS
@@ -511,7 +514,7 @@ def test_a_reuse_after_retry_errors_with_another_max_tokens_reuses_the_other_row
 
 
 def test_reuse_from_a_file_or_a_folder_of_renamed_files_reads_them_by_content(
-        duplicate_runs, tiny_model, tmp_path):
+        duplicate_runs, tiny_model, tmp_path, capsys):
     """--reuse-from a part file, or a snapshot whose files were renamed: the rows are found
     in them; a file that is not Parquet is one line, no traceback."""
     job, root = duplicate_runs["job"], duplicate_runs["root"]
@@ -528,11 +531,11 @@ def test_reuse_from_a_file_or_a_folder_of_renamed_files_reads_them_by_content(
         "(the earlier output has no Parquet files)")
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config(tiny_model, root, "t.parquet", "out")))
-    refused = overnight("validate", path, "--reuse-from", path)
-    assert refused.returncode == 2, refused.stderr
-    assert refused.stderr.strip().splitlines()[-1].startswith(
+    code, _, err = cli("validate", path, "--reuse-from", path, capsys=capsys)
+    assert code == 2, err
+    assert err.strip().splitlines()[-1].startswith(
         f"overnight: error: output.reuse_from {str(path)!r}: not a Parquet file")
-    assert "Traceback" not in refused.stderr
+    assert "Traceback" not in err
 
 
 def test_the_lookup_tells_input_rows_apart_and_takes_each_earlier_row_once():
