@@ -24,7 +24,7 @@ from pipelines import load_config, run_job
 from pipelines.errors import ConfigError, InputError
 from pipelines.plan.preflight import plan_job
 
-from conftest import KV_CACHE, job_config
+from conftest import KV_CACHE, cli, job_config
 
 MAX_TOKENS = 8
 TEMPLATE = "Describe {{ title }}."
@@ -569,13 +569,13 @@ def test_a_later_step_sees_the_earlier_steps_text_and_the_image_again(parity_job
 
 
 def test_samples_logprobs_replicas_and_a_resume_work_with_images(parity_job, vision_model,
-                                                                  folder, tmp_path):
+                                                                  folder, tmp_path, capsys):
     """The image job sampled (two seeded samples a row) with logprobs, on two replicas (each
     with its engine: the blocks go to whichever is free); the same job on one replica,
     SIGKILLed once a part is written and run again: the same output, row for row, each row's
     samples with their image counts, and a logprob a token."""
     import yaml
-    from test_resume import kill_after_parts, overnight
+    from test_resume import kill_after_parts
 
     rows, _, _ = parity_job
 
@@ -592,9 +592,9 @@ def test_samples_logprobs_replicas_and_a_resume_work_with_images(parity_job, vis
     path.write_text(yaml.safe_dump(config("one", 1)))
     kill_after_parts(path, tmp_path / "one.partial", 1, signal.SIGKILL)
     assert not (tmp_path / "one").exists()  # killed before its commit
-    resumed = overnight("run", path, "--quiet")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed:" in resumed.stdout
+    code, stdout, stderr = cli("run", path, "--quiet", capsys=capsys)  # (in this process's Ray)
+    assert code == 0, stderr
+    assert "resumed:" in stdout
     out, one = pl.read_parquet(tmp_path / "two"), pl.read_parquet(tmp_path / "one")
     assert out.drop("logprobs").equals(one.drop("logprobs"))
     assert out.height == 2 * len(rows) and out["sample_index"].to_list()[:4] == [0, 1, 0, 1]

@@ -23,7 +23,7 @@ import yaml
 from pipelines import load_config, run_job
 from pipelines.write import part_name, part_range
 
-from conftest import REPO, job_config, kill_after_parts
+from conftest import REPO, cli, job_config, kill_after_parts
 
 ROWS = 240
 BLOCK = 4
@@ -84,7 +84,8 @@ def assert_same_output(out_dir: Path, reference: pl.DataFrame):
     assert out.equals(reference)
 
 
-def test_killed_then_interrupted_then_resumed_equals_an_uninterrupted_run(resume_job, reference):
+def test_killed_then_interrupted_then_resumed_equals_an_uninterrupted_run(resume_job, reference,
+                                                                         capsys):
     """A spot reclaim (SIGKILL to the whole process group), then a Ctrl-C during the resumed
     run, then a run to the end: the output equals the uninterrupted run's, row for row."""
     root, _, write_config = resume_job
@@ -103,9 +104,9 @@ def test_killed_then_interrupted_then_resumed_equals_an_uninterrupted_run(resume
     assert status.returncode == 0 and "state: unfinished" in status.stdout
     assert f"/{ROWS} written" in status.stdout
 
-    changed = overnight("run", path, "--set", "sampling.max_tokens=20")
-    assert changed.returncode == 2
-    assert "holds an unfinished run of a different job (sampling changed)" in changed.stderr
+    code, _, err = cli("run", path, "--set", "sampling.max_tokens=20", capsys=capsys)
+    assert code == 2  # (refused before any engine, in this process)
+    assert "holds an unfinished run of a different job (sampling changed)" in err
 
     code, stderr = kill_after_parts(path, root / "killed.partial", len(written) + 2,
                                     signal.SIGINT)
@@ -211,7 +212,8 @@ def test_a_part_that_cannot_be_read_stops_the_commit_in_one_line_naming_it(resum
     assert f"rows: {ROWS - BLOCK}/{ROWS} written" in status.stdout, status.stdout
 
 
-def test_a_small_table_is_committed_a_block_at_a_time_as_its_rows_finish(tiny_model, tmp_path):
+def test_a_small_table_is_committed_a_block_at_a_time_as_its_rows_finish(tiny_model, tmp_path,
+                                                                        capsys):
     """400 rows at the default batch_size (256) were two blocks, written when all their rows
     were done: a kill at 90% lost every row. Now a table too small for 16 blocks of
     batch_size is cut into 16 (the engine holds as many rows at once as before), and each is
@@ -229,8 +231,9 @@ def test_a_small_table_is_committed_a_block_at_a_time_as_its_rows_finish(tiny_mo
     del config["resources"]  # the default batch_size
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
-    checked = overnight("validate", path)
-    assert "16 blocks of up to 25 rows, each committed as it is done" in checked.stdout
+    code, out, err = cli("validate", path, capsys=capsys)
+    assert code == 0, err
+    assert "16 blocks of up to 25 rows, each committed as it is done" in out
 
     code, _ = kill_after_parts(path, tmp_path / "out.partial", 1, signal.SIGKILL)
     assert code != 0  # killed while it ran

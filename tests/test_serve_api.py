@@ -231,13 +231,32 @@ def _metrics(server, key=KEY) -> dict:
             for family in text_string_to_metric_families(text.text) for s in family.samples}
 
 
-def test_metrics_count_batches_by_status_and_their_requests(server, tmp_path):
-    client = server.client()
-    done = client.batches.create(
-        input_file_id=client.files.create(file=request_file(tmp_path / "m.jsonl", 3, 2, "m"),
-                                          purpose="batch").id,
+XSS = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
+
+
+@pytest.fixture(scope="module")
+def ui_batches(server, tmp_path_factory):
+    """Two finished batches, one a key's (three requests, one holding markup; markup in its
+    metadata), one of the other key (a file without a request): counted by the metrics, shown
+    on the pages. Returns (mine, theirs, lines, mine finished)."""
+    client, other = server.client(), server.client(OTHER_KEY)
+    lines = [request("ui-0", "Say hello.", 4), request("ui-1", XSS, 4),
+             request("ui-2", "Count to three.", 4)]
+    path = tmp_path_factory.mktemp("ui") / "ui.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    mine = client.batches.create(
+        input_file_id=client.files.create(file=path, purpose="batch").id,
+        endpoint="/v1/chat/completions", completion_window="24h", metadata={"note": XSS})
+    theirs = other.batches.create(
+        input_file_id=other.files.create(file=("t.jsonl", b"\n"), purpose="batch").id,
         endpoint="/v1/chat/completions", completion_window="24h")
-    assert wait(client, done.id)[-1].status == "completed"
+    done = wait(client, mine.id)[-1]
+    assert done.status == "completed", (done.errors, server.log())
+    wait(other, theirs.id)
+    return mine, theirs, lines, done
+
+
+def test_metrics_count_batches_by_status_and_their_requests(server, ui_batches):
     numbers = _metrics(server)
     # every key's batches, as the API lists them to their owners
     listed = [b for key in (KEY, OTHER_KEY) for b in server.client(key).batches.list(limit=100)]
@@ -251,28 +270,15 @@ def test_metrics_count_batches_by_status_and_their_requests(server, tmp_path):
     assert httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10).status_code == 401
 
 
-XSS = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
-
-
-def test_the_pages_show_a_keys_own_batches_and_each_ones_rows(server, browser, tmp_path):
+def test_the_pages_show_a_keys_own_batches_and_each_ones_rows(server, browser, ui_batches,
+                                                               tmp_path):
     """/ui: the batches of the key given on the page, none of another key's; a batch's page:
     its job as `overnight view` shows it, its data behind the key. A value holding markup
     (a request's text, a batch's metadata) shows as its characters and never runs."""
     from selenium.webdriver.common.by import By
 
-    client, other = server.client(), server.client(OTHER_KEY)
-    lines = [request("ui-0", "Say hello.", 4), request("ui-1", XSS, 4),
-             request("ui-2", "Count to three.", 4)]
-    path = tmp_path / "ui.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    mine = client.batches.create(
-        input_file_id=client.files.create(file=path, purpose="batch").id,
-        endpoint="/v1/chat/completions", completion_window="24h", metadata={"note": XSS})
-    theirs = other.batches.create(
-        input_file_id=other.files.create(file=("t.jsonl", b"\n"), purpose="batch").id,
-        endpoint="/v1/chat/completions", completion_window="24h")
-    done = wait(client, mine.id)[-1]
-    assert done.status == "completed", (done.errors, server.log())
+    client = server.client()
+    mine, theirs, lines, done = ui_batches
     base = f"http://127.0.0.1:{server.port}"
     own, foreign = ({"Authorization": f"Bearer {key}"} for key in (KEY, OTHER_KEY))
 

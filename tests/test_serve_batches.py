@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import collections
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from conftest import REPO
+from conftest import cli
 from servers import (FAST, KEY, OTHER_KEY, lines_of, long_file, request, request_file, some_done,
                      wait)
 
@@ -25,7 +23,7 @@ def _content(line: dict):
             [c["finish_reason"] for c in body["choices"]], body["usage"])
 
 
-def test_round_trip_equals_overnight_batch(server, tiny_model, tmp_path):
+def test_round_trip_equals_overnight_batch(server, tiny_model, tmp_path, ray_cluster):
     client = server.client()
     requests = request_file(tmp_path / "requests.jsonl", 160, 48, "rt")
     uploaded = client.files.create(file=requests, purpose="batch")
@@ -43,10 +41,8 @@ def test_round_trip_equals_overnight_batch(server, tiny_model, tmp_path):
     results = lines_of(client, batch.output_file_id)
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
     reference = tmp_path / "reference.jsonl"
-    subprocess.run([sys.executable, "-m", "pipelines.cli", "batch", str(requests),
-                    "-o", str(reference), "--model", tiny_model, "--config",
-                    str(server.root / "job.yaml"), "--quiet"], cwd=REPO, check=True,
-                   capture_output=True)
+    assert cli("batch", requests, "-o", reference, "--model", tiny_model,  # (this process's Ray)
+               "--config", server.root / "job.yaml", "--quiet")[0] == 0
     expected = [json.loads(line) for line in reference.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [f"rt-{i}" for i in range(160)]
     assert {r["custom_id"]: _content(r) for r in results} == \

@@ -28,7 +28,7 @@ from pipelines import load_config, run_job
 from pipelines.errors import JobError
 from pipelines.plan.preflight import plan_job
 
-from conftest import REPO, job_config
+from conftest import REPO, cli, job_config
 
 ROWS = 48
 FAULTS = REPO / "tests" / "faults"
@@ -204,7 +204,8 @@ def test_explode_makes_a_row_per_element_and_dropped_rows_are_not_written(synthe
     assert out["questions_text"].null_count() < out.height
 
 
-def test_killed_in_the_middle_of_step_two_resumes_equal_to_an_uninterrupted_run(synthetic):
+def test_killed_in_the_middle_of_step_two_resumes_equal_to_an_uninterrupted_run(synthetic,
+                                                                               capsys):
     root, config, reference = synthetic
     raw = config("reclaimed")
     path = root / "reclaimed.yaml"
@@ -233,10 +234,9 @@ def test_killed_in_the_middle_of_step_two_resumes_equal_to_an_uninterrupted_run(
     staged = sorted(p.name for p in (root / "reclaimed.partial").glob("part-*.parquet"))
     assert staged, "no block was written before the kill"
 
-    resumed = subprocess.run(command[:-1], cwd=REPO, capture_output=True, text=True,
-                             timeout=420)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed: " in resumed.stdout
+    code, stdout, stderr = cli("run", path, capsys=capsys)  # (in this process's Ray)
+    assert code == 0, stderr
+    assert "resumed: " in stdout
     out = pl.read_parquet(root / "reclaimed")
     assert out["sku"].to_list() == reference["sku"].to_list()
     assert out.equals(reference)
