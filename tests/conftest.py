@@ -20,7 +20,12 @@ import pytest
 
 # Keep vLLM's and Ray's caches and sockets out of the home directory and the repo.
 _SCRATCH = Path(tempfile.mkdtemp(prefix="overnight-tests-"))
-os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm-cache"))
+# vLLM's cache is shared by every test process of a run (make test's workers, their jobs and
+# servers): what it holds is keyed by the content it stands for, and written atomically. Each
+# model architecture's first engine start without it inspects the class in a subprocess of
+# its own (vllm.model_executor.models.registry: ~11 s of CPU here), once per process tree.
+os.environ.setdefault("VLLM_CACHE_ROOT", str(
+    Path(tempfile.gettempdir()) / f"overnight-tests-{os.getuid()}" / "vllm-cache"))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
