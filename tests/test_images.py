@@ -114,16 +114,22 @@ import gc, json, sys
 from vllm import LLM, SamplingParams
 job = json.load(open(sys.argv[1]))
 out = {"runs": []}
+llm = model = None
 for run in job["runs"]:
-    llm = LLM(model=run["model"], dtype="float32", max_model_len=512, enforce_eager=True,
-              kv_cache_memory_bytes=job["kv"], enable_chunked_prefill=False,
-              limit_mm_per_prompt={"image": 2})
+    if run["model"] != model:
+        del llm
+        gc.collect()
+        llm = LLM(model=run["model"], dtype="float32", max_model_len=512, enforce_eager=True,
+                  kv_cache_memory_bytes=job["kv"], enable_chunked_prefill=False,
+                  limit_mm_per_prompt={"image": 2})
+        model = run["model"]
+    else:  # the same model's engine again, as a new one starts: nothing of the last run kept
+        llm.reset_prefix_cache()
+        llm.reset_mm_cache()
     outs = llm.chat(run["conversations"],
                     SamplingParams(temperature=0, max_tokens=job["max_tokens"]))
     out["runs"].append([{"text": o.outputs[0].text, "prompt_tokens": len(o.prompt_token_ids)}
                         for o in outs])
-    del llm
-    gc.collect()
 if job.get("templates"):
     from vllm.renderers.hf import _detect_content_format
     out["formats"] = [_detect_content_format(t, default="string") for t in job["templates"]]
@@ -133,7 +139,8 @@ json.dump(out, open(sys.argv[2], "w"))
 
 def bare_chats(runs: list[tuple[str, list]], root, templates=()) -> dict:
     """Bare vLLM's LLM.chat on each (model, conversations), in one process of its own (one
-    import of vLLM); with ``templates``, vLLM's own content format of each."""
+    import of vLLM; runs of one model in a row share its engine, its caches emptied between
+    them); with ``templates``, vLLM's own content format of each."""
     job = {"kv": KV_CACHE, "max_tokens": MAX_TOKENS, "templates": list(templates),
            "runs": [{"model": model, "conversations": conv} for model, conv in runs]}
     (root / "bare.json").write_text(json.dumps(job))
@@ -144,16 +151,18 @@ def bare_chats(runs: list[tuple[str, list]], root, templates=()) -> dict:
     return json.loads((root / "bare_out.json").read_text())
 
 
-def bare_chat(model, conversations, root) -> list[dict]:
-    """Bare vLLM's LLM.chat on ``conversations``, in a process of its own."""
-    return bare_chats([(model, conversations)], root)["runs"][0]
-
-
 def conversation(title: str, *names: str) -> list[dict]:
     parts = [{"type": "image_url", "image_url": {"url": data_url(n)}} for n in names]
     return [{"role": "user", "content": [*parts, {"type": "text",
                                                    "text": TEMPLATE.replace("{{ title }}",
                                                                             title)}]}]
+
+
+def check_conversation(row: dict, described: str) -> list[dict]:
+    """The later step's prompt (below): the row's photo again and the first step's text."""
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(row["photo_name"])}},
+        {"type": "text", "text": f"Does it match? {described}"}]}]
 
 
 # Templates whose content format vLLM's own detection and overnight's port must agree on:
@@ -198,22 +207,27 @@ def string_job(string_model, parity_job, folder):
 
 @pytest.fixture(scope="module")
 def bare(parity_job, vision_model, string_model, folder) -> dict:
-    """Bare LLM.chat on the parity rows, on both models, and vLLM's content formats of
-    DETECTED and the models' templates: one process."""
+    """Bare LLM.chat on the parity rows, on both models; the later step's prompts on the
+    parity job's texts (a job of steps' first step writes those, asserted where it is used);
+    and vLLM's content formats of DETECTED and the models' templates: one process."""
     from pipelines.tools.tiny_model import VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE
 
-    rows, _, _ = parity_job
+    rows, out, _ = parity_job
     conversations = [conversation(r["title"], r["photo_name"],
                                   *([r["back_name"]] if r["back_name"] else [])) for r in rows]
-    return bare_chats([(vision_model, conversations), (string_model, conversations)], folder,
-                      templates=[*DETECTED, VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE])
+    checks = [check_conversation(r, described) for r, described in zip(rows, out["rewritten"])]
+    got = bare_chats([(vision_model, conversations), (vision_model, checks),
+                      (string_model, conversations)], folder,
+                     templates=[*DETECTED, VISION_CHAT_TEMPLATE, VISION_STRING_CHAT_TEMPLATE])
+    return {"vision": got["runs"][0], "check": got["runs"][1], "string": got["runs"][2],
+            "formats": got["formats"]}
 
 
 def test_image_rows_equal_bare_vllm_chat_row_for_row(parity_job, bare):
     rows, out, summary = parity_job
     assert out["sku"].to_list() == [r["sku"] for r in rows]
     assert out["error"].null_count() == len(rows), out["error"].to_list()
-    bare = bare["runs"][0]
+    bare = bare["vision"]
     assert out["rewritten"].to_list() == [b["text"] for b in bare]
     assert out["prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare]
     # two images cost more prompt tokens than one, and the images change what is written
@@ -234,8 +248,8 @@ def test_a_string_content_template_gets_vllms_text_and_writes_what_llm_chat_writ
     list-format template's prompt makes (its prompt is another text)."""
     rows, out, _ = parity_job
     assert string_job["error"].null_count() == len(rows), string_job["error"].to_list()
-    assert string_job["rewritten"].to_list() == [b["text"] for b in bare["runs"][1]]
-    assert string_job["prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare["runs"][1]]
+    assert string_job["rewritten"].to_list() == [b["text"] for b in bare["string"]]
+    assert string_job["prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare["string"]]
     assert string_job["prompt_tokens"].to_list() != out["prompt_tokens"].to_list()
     assert string_job["image_count"].to_list() == out["image_count"].to_list()
 
@@ -542,7 +556,7 @@ def test_a_server_as_the_engine_gets_each_rows_images_and_writes_the_same_texts(
 # -- a job of steps: a later step sees the earlier step's text, and the image again
 
 def test_a_later_step_sees_the_earlier_steps_text_and_the_image_again(parity_job, vision_model,
-                                                                       folder):
+                                                                       folder, bare):
     rows, out, _ = parity_job
     raw = vision_config(vision_model, folder / "table.parquet", folder / "steps_out")
     del raw["prompt"], raw["sampling"]
@@ -558,12 +572,9 @@ def test_a_later_step_sees_the_earlier_steps_text_and_the_image_again(parity_job
     assert steps["error"].null_count() == len(rows), steps["error"].to_list()
     # the first step is the one-step job, row for row
     assert steps["described"].to_list() == out["rewritten"].to_list()
-    # the second: bare LLM.chat on the photo again and the first step's text
-    conversations = [[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(r["photo_name"])}},
-        {"type": "text", "text": f"Does it match? {described}"}]}]
-        for r, described in zip(rows, steps["described"])]
-    bare = bare_chat(vision_model, conversations, folder)
+    # the second: bare LLM.chat on the photo again and the first step's text (the bare
+    # fixture's check run, on the one-step job's texts: the first step's, as just asserted)
+    bare = bare["check"]
     assert steps["checked"].to_list() == [b["text"] for b in bare]
     assert steps["checked_prompt_tokens"].to_list() == [b["prompt_tokens"] for b in bare]
 
