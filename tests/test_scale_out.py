@@ -50,13 +50,21 @@ class LocalCluster:
             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}))
 
     def wait_for(self, nodes: int, timeout: float = 120) -> None:
-        code = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
-                "print(sum(1 for n in ray.nodes() if n['Alive']))")
+        # One probe (a Python importing Ray, connected as a driver would) counts the alive
+        # nodes until they are ``nodes``, rather than one probe a second: each imports Ray
+        code = (f"import time, ray; ray.init(address={self.address!r}, logging_level='ERROR')\n"
+                f"deadline = time.time() + {timeout}\n"
+                "while True:\n"
+                "    alive = sum(1 for n in ray.nodes() if n['Alive'])\n"
+                f"    if alive == {nodes} or time.time() > deadline:\n"
+                "        break\n"
+                "    time.sleep(0.5)\n"
+                "print(alive)")
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:
                 out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                                     text=True, timeout=60,
+                                     text=True, timeout=timeout + 60,
                                      env={**os.environ, "RAY_AUTH_MODE": "token"})
             except subprocess.TimeoutExpired:
                 continue
