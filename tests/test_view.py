@@ -16,7 +16,7 @@ import pytest
 
 from pipelines import load_config, run_job
 
-from conftest import REPO, job_config
+from conftest import REPO, cli, job_config
 from conftest import table_rows as _rows
 from conftest import wait_until as _wait
 
@@ -168,9 +168,12 @@ def test_the_page_loads_nothing_from_elsewhere_and_binds_to_loopback(page):
     assert url.startswith("http://127.0.0.1:")
 
 
-def test_the_page_of_a_running_job_follows_its_parts(tiny_model, browser, tmp_path):
+def test_the_page_of_a_running_job_follows_its_parts(tiny_model, browser, ray_cluster,
+                                                    tmp_path):
     """A job run by the CLI while the page is open: the rows written move as parts are
     committed, and the page ends at the whole table, complete."""
+    import threading
+
     import yaml
     from selenium.webdriver.common.by import By
 
@@ -179,29 +182,33 @@ def test_the_page_of_a_running_job_follows_its_parts(tiny_model, browser, tmp_pa
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job_config(tiny_model, tmp_path / "in.jsonl",
                                               tmp_path / "out", sampling={"max_tokens": 32})))
-    job = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(path), "--quiet"],
-                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    codes = []  # the CLI in this process (its Ray), in a thread while this one reads the page
+    job = threading.Thread(target=lambda: codes.append(cli("run", path, "--quiet")[0]))
+    job.start()
     record = tmp_path / "out.overnight.json"
-    _wait(lambda: record.exists() or job.poll() is not None, timeout=120)
-    port = _free_port()
-    view = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "view", str(tmp_path / "out"),
-                             "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
+    view = None
     try:
+        _wait(lambda: record.exists() or not job.is_alive(), timeout=120)
+        port = _free_port()
+        view = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "view",
+                                 str(tmp_path / "out"), "--port", str(port)], cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}/"
         _wait(lambda: _up(url), timeout=60)
         browser.get(url)
         seen = []
-        while job.poll() is None:
+        while job.is_alive():
             seen.append((browser.find_element(By.ID, "rows").text,
                          browser.find_element(By.ID, "state").text.split(" ")[0]))
             time.sleep(0.5)
-        assert job.returncode == 0, job.stderr.read()[-2000:]
+        assert codes == [0]
         _wait(lambda: browser.find_element(By.ID, "rows").text == "1,200 / 1,200"
               and browser.find_element(By.ID, "state").text.startswith("complete"), timeout=30)
     finally:
-        view.terminate()
-        view.wait(30)
+        job.join()
+        if view is not None:
+            view.terminate()
+            view.wait(30)
     running = {text for text, state in seen if state == "running"}
     assert len(running) >= 2, seen  # the page moved while the job ran
     assert any(text not in ("", "-", "0 / 1,200", "1,200 / 1,200") for text in running), seen
