@@ -19,7 +19,7 @@ from pipelines.batchfile.envelopes import _openai_logprobs
 from pipelines.batchfile.run import run_batch_file
 from udfs.rows.logprobs import token_bytes_of
 
-from conftest import KV_CACHE
+from conftest import KV_CACHE, cli
 
 MODEL_NAME = "gpt-4o-mini"  # what the file was written for; --model maps it to the tiny one
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -230,17 +230,13 @@ def test_greedy_results_equal_vllms_own_run_batch(batch, tiny_model, llm):
         assert ours[cid]["choices"][0]["text"] == reference
 
 
-def test_the_cli_runs_a_file_and_refuses_to_overwrite(batch, tiny_model):
-    from conftest import REPO
-
+def test_the_cli_runs_a_file_and_refuses_to_overwrite(batch, tiny_model, capsys):
     root, _, _, _ = batch
-    run = subprocess.run([sys.executable, "-m", "pipelines.cli", "batch",
-                          str(root / "requests.jsonl"), "-o", str(root / "results.jsonl"),
-                          "--model", tiny_model], capture_output=True, text=True, cwd=REPO,
-                         timeout=300)
-    assert run.returncode == 2
-    assert run.stderr.strip() == (f"overnight: error: {root / 'results.jsonl'} already exists; "
-                                  "pass --overwrite to replace it")
+    code, _, err = cli("batch", root / "requests.jsonl", "-o", root / "results.jsonl",
+                       "--model", tiny_model, capsys=capsys)
+    assert code == 2  # (refused before any engine, in this process)
+    assert err.strip() == (f"overnight: error: {root / 'results.jsonl'} already exists; "
+                           "pass --overwrite to replace it")
 
 
 PYDANTIC_SCHEMA = {  # what pydantic's model_json_schema() writes: $defs, $ref, anyOf
@@ -312,10 +308,37 @@ BOX = {"type": "json_schema", "json_schema": {"name": "k", "schema": {
     "additionalProperties": False}}}
 
 
+def responses_twin(request: dict, **extra) -> dict:
+    """A chat request of GREEDY_CHAT as a /v1/responses line: its system message as
+    instructions, its user message as input_text parts."""
+    system, user = request["body"]["messages"]
+    return {"custom_id": "resp-" + request["custom_id"], "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": MODEL_NAME, "instructions": system["content"],
+                     "input": [{"role": "user", "content": [
+                         {"type": "input_text", "text": user["content"]}]}],
+                     "max_output_tokens": request["body"]["max_tokens"], "temperature": 0,
+                     **extra}}
+
+
+# /v1/responses lines beside their chat twins, in scored_batch's file
+# (test_responses_lines_equal_the_same_requests_as_chat_completions)
+RESPONSES_CHATS = [*GREEDY_CHAT[:3], chat("schema", "Describe a box as JSON.", max_tokens=60,
+                                          temperature=0, response_format={
+                                              "type": "json_schema",
+                                              "json_schema": {"name": "box", "schema": SCHEMA}})]
+RESPONSES_TWINS = [responses_twin(r) for r in RESPONSES_CHATS[:3]] + [responses_twin(
+    RESPONSES_CHATS[3], text={"format": {"type": "json_schema", "name": "box", "schema": SCHEMA,
+                                         "strict": True}})]
+WEB_SEARCH = {**responses_twin(RESPONSES_CHATS[0]), "custom_id": "web-search"}
+WEB_SEARCH["body"]["tools"] = [{"type": "web_search"}]
+
+
 @pytest.fixture(scope="session")
 def scored_batch(tiny_model, ray_cluster, tmp_path_factory, llm):
-    """One file: logprobs on both endpoints, the extra parameters, and bodies overnight
-    cannot honour. stop_token_ids names the third token greedy decoding gives the prompt."""
+    """One file: logprobs on both endpoints, the extra parameters, bodies overnight cannot
+    honour, and /v1/responses lines beside their chat twins. stop_token_ids names the third
+    token greedy decoding gives the prompt."""
     import vllm
 
     greedy = llm.chat(MESSAGES, vllm.SamplingParams(temperature=0.0, max_tokens=8),
@@ -331,16 +354,17 @@ def scored_batch(tiny_model, ray_cluster, tmp_path_factory, llm):
              chat("json-ignore-eos", "A box.", max_tokens=24, temperature=0,
                   response_format=BOX, ignore_eos=True),
              chat("room", "Name a colour.", temperature=0),  # no max_tokens
-             *(line for line, _ in UNSUPPORTED.values())]
+             *(line for line, _ in UNSUPPORTED.values()),
+             *RESPONSES_CHATS, *RESPONSES_TWINS, WEB_SEARCH]
     root = tmp_path_factory.mktemp("scored")
     (root / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run_batch_file(root / "requests.jsonl", root / "results.jsonl", model=tiny_model,
-                   overrides=SETTINGS)
+    counts = run_batch_file(root / "requests.jsonl", root / "results.jsonl", model=tiny_model,
+                            overrides=SETTINGS)
     results = {r["custom_id"]: r["response"]["body"] for r in
                map(json.loads, (root / "results.jsonl").read_text().splitlines())}
     errors = {e["custom_id"]: e["error"] for e in
               map(json.loads, (root / "results.errors.jsonl").read_text().splitlines())}
-    return results, errors, greedy, stop_id
+    return results, errors, greedy, stop_id, counts, lines
 
 
 def test_logprobs_in_the_openai_shapes_equal_vllms(scored_batch, llm):
@@ -348,7 +372,7 @@ def test_logprobs_in_the_openai_shapes_equal_vllms(scored_batch, llm):
     from openai.types.chat import ChatCompletion
     from openai.types.completion import Completion
 
-    results, _, _, _ = scored_batch
+    results, *_ = scored_batch
     chat_body = ChatCompletion.model_validate(results["lp-chat"])  # the official shapes
     comp_body = Completion.model_validate(results["lp-comp"])
     theirs = llm.chat(MESSAGES, vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
@@ -385,7 +409,7 @@ def test_logprobs_in_the_openai_shapes_equal_vllms(scored_batch, llm):
 def test_vllms_extra_sampling_parameters_are_honoured(scored_batch, llm):
     import vllm
 
-    results, _, greedy, stop_id = scored_batch
+    results, _, greedy, stop_id, *_ = scored_batch
     penalised = llm.chat(MESSAGES, vllm.SamplingParams(temperature=0.0, max_tokens=8,
                                                        **PENALTIES), use_tqdm=False)
     text = results["penalised"]["choices"][0]["message"]["content"]
@@ -402,8 +426,8 @@ def test_vllms_extra_sampling_parameters_are_honoured(scored_batch, llm):
 
 
 def test_a_parameter_overnight_cannot_honour_is_that_requests_error(scored_batch):
-    results, errors, _, _ = scored_batch
-    assert set(errors) == set(UNSUPPORTED)
+    results, errors, *_ = scored_batch
+    assert set(errors) == {*UNSUPPORTED, WEB_SEARCH["custom_id"]}  # (the Responses test's)
     for custom_id, (_, message) in UNSUPPORTED.items():
         assert errors[custom_id]["code"] == "invalid_body"
         assert message in errors[custom_id]["message"], errors[custom_id]
@@ -426,7 +450,8 @@ if _target:
 """
 
 
-def test_a_write_killed_between_the_two_files_is_completed_by_the_rerun(tiny_model, tmp_path):
+def test_a_write_killed_between_the_two_files_is_completed_by_the_rerun(tiny_model, tmp_path,
+                                                                       capsys):
     """The result and error files are one commit: killed after the first is in place, the
     same command run again completes the pair (it once refused: "already exists"); run
     once more it changes nothing; for another request file it still refuses. No engine: a
@@ -440,31 +465,29 @@ def test_a_write_killed_between_the_two_files_is_completed_by_the_rerun(tiny_mod
     requests.write_text('{not json\n{"custom_id": "x", "method": "POST", "url": "/v1/nope", '
                         '"body": {}}\n')
 
-    def cli(**env):
-        return subprocess.run([sys.executable, "-m", "pipelines.cli", "batch", str(requests),
-                               "-o", str(results), "--model", tiny_model, *[
-                                   a for s in SETTINGS for a in ("--set", s)]],
-                              capture_output=True, text=True, cwd=REPO, timeout=300,
-                              env={**os.environ, **env})
-
-    killed = cli(PYTHONPATH=str(tmp_path / "faults"), OVERNIGHT_TEST_KILL_AFTER=str(results))
+    args = ["batch", requests, "-o", results, "--model", tiny_model,
+            *[a for s in SETTINGS for a in ("--set", s)]]
+    killed = subprocess.run([sys.executable, "-m", "pipelines.cli", *map(str, args)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path / "faults"),
+                                 "OVERNIGHT_TEST_KILL_AFTER": str(results)})
     assert killed.returncode == -9, killed.stderr
     assert results.exists()  # the first of the two in place
-    rerun = cli()
-    assert rerun.returncode == 0, rerun.stderr
-    assert "2 errors" in rerun.stdout and results.read_text() == ""
+    code, out, err = cli(*args, capsys=capsys)  # the same command again, in this process
+    assert code == 0, err
+    assert "2 errors" in out and results.read_text() == ""
     lines = [json.loads(line) for line in errors.read_text().splitlines()]
     assert [(e["error"]["line"], e["error"]["code"]) for e in lines] == [
         (1, "invalid_json"), (2, "invalid_url")]
     written = errors.read_bytes()
-    again = cli()
-    assert again.returncode == 0 and "2 errors" in again.stdout, again.stderr
+    code, out, err = cli(*args, capsys=capsys)
+    assert code == 0 and "2 errors" in out, err
     assert errors.read_bytes() == written and not list(tmp_path.glob(".*.staged"))
     requests.write_text("{not json either\n")  # another file: the files in place are not its
-    other = cli()
-    assert other.returncode == 2
-    assert other.stderr.strip() == (f"overnight: error: {results} already exists; "
-                                    "pass --overwrite to replace it")
+    code, _, err = cli(*args, capsys=capsys)
+    assert code == 2
+    assert err.strip() == (f"overnight: error: {results} already exists; "
+                           "pass --overwrite to replace it")
 
 
 def test_a_request_without_max_tokens_may_use_the_room_its_prompt_leaves(scored_batch):
@@ -500,44 +523,20 @@ def test_logprobs_byte_fields_follow_the_tokens_bytes(tiny_model):
     assert offsets[tokens.index("ull")] == text.index("ull") == 2  # after "N" and "ö"
 
 
-def responses_twin(request: dict, **extra) -> dict:
-    """A chat request of GREEDY_CHAT as a /v1/responses line: its system message as
-    instructions, its user message as input_text parts."""
-    system, user = request["body"]["messages"]
-    return {"custom_id": "resp-" + request["custom_id"], "method": "POST",
-            "url": "/v1/responses",
-            "body": {"model": MODEL_NAME, "instructions": system["content"],
-                     "input": [{"role": "user", "content": [
-                         {"type": "input_text", "text": user["content"]}]}],
-                     "max_output_tokens": request["body"]["max_tokens"], "temperature": 0,
-                     **extra}}
-
-
-def test_responses_lines_equal_the_same_requests_as_chat_completions(tiny_model, ray_cluster,
-                                                                     tmp_path):
-    """/v1/responses lines beside their chat twins in one file: the same greedy text, in the
-    Responses API's shape (the openai client's Response model parses each body), an
-    incomplete status where max_output_tokens ran out, a json_schema text.format honoured,
-    and a field overnight cannot honour (a web_search tool) the request's error naming it."""
+def test_responses_lines_equal_the_same_requests_as_chat_completions(scored_batch,
+                                                                     tiny_model):
+    """/v1/responses lines beside their chat twins in one file (scored_batch's): the same
+    greedy text, in the Responses API's shape (the openai client's Response model parses each
+    body), an incomplete status where max_output_tokens ran out, a json_schema text.format
+    honoured, and a field overnight cannot honour (a web_search tool) the request's error
+    naming it."""
     from openai.types.responses import Response
 
-    chats = [*GREEDY_CHAT[:3], chat("schema", "Describe a box as JSON.", max_tokens=60,
-                                    temperature=0, response_format={
-                                        "type": "json_schema",
-                                        "json_schema": {"name": "box", "schema": SCHEMA}})]
-    twins = [responses_twin(r) for r in chats[:3]] + [responses_twin(
-        chats[3], text={"format": {"type": "json_schema", "name": "box", "schema": SCHEMA,
-                                   "strict": True}})]
-    tools = {**responses_twin(chats[0]), "custom_id": "tools"}
-    tools["body"]["tools"] = [{"type": "web_search"}]
-    (tmp_path / "requests.jsonl").write_text("".join(
-        json.dumps(line) + "\n" for line in [*chats, *twins, tools]))
-    counts = run_batch_file(tmp_path / "requests.jsonl", tmp_path / "results.jsonl",
-                            model=tiny_model, overrides=SETTINGS)
-    assert (counts["results"], counts["errors"]) == (8, 1)
-    results = {r["custom_id"]: r["response"]["body"] for r in map(
-        json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
-    for request in chats:
+    results, errors, _, _, counts, lines = scored_batch
+    # every line runs but the UNSUPPORTED ones and the web_search one
+    assert (counts["results"], counts["errors"]) == (len(lines) - len(UNSUPPORTED) - 1,
+                                                     len(UNSUPPORTED) + 1)
+    for request in RESPONSES_CHATS:
         chat_body = results[request["custom_id"]]
         body = results["resp-" + request["custom_id"]]
         Response.model_validate(body)
@@ -554,7 +553,6 @@ def test_responses_lines_equal_the_same_requests_as_chat_completions(tiny_model,
         assert body["incomplete_details"] == ({"reason": "max_output_tokens"} if cut else None)
     jsonschema.validate(json.loads(results["resp-schema"]["output"][0]["content"][0]["text"]),
                         SCHEMA)
-    [error] = [json.loads(line) for line in
-               (tmp_path / "results.errors.jsonl").read_text().splitlines()]
-    assert error["custom_id"] == "tools" and error["error"]["code"] == "invalid_body"
-    assert "body.tools" in error["error"]["message"] and error["error"]["line"] == 9
+    error = errors[WEB_SEARCH["custom_id"]]
+    assert error["code"] == "invalid_body" and "body.tools" in error["message"]
+    assert error["line"] == len(lines)  # the file's last

@@ -21,7 +21,7 @@ from pipelines.errors import ConfigError
 from pipelines.plan.preflight import plan_job
 from udfs.stages.prompts import PromptRenderer
 
-from conftest import KV_CACHE, REPO, job_config
+from conftest import KV_CACHE, cli, job_config
 
 ROWS = [{"title": f"Lamp {i}", "description": f"A steel lamp, model {i}, warm light."}
         for i in range(24)]
@@ -269,16 +269,16 @@ def test_preflight_refuses_a_parser_vllm_lacks_and_settings_it_cannot_honour(
                             sampling={"logit_bias": {end_token: 101}}))
 
 
-def test_the_cli_says_a_wrong_parser_in_one_line(think_model, end_token, root, tmp_path):
+def test_the_cli_says_a_wrong_parser_in_one_line(think_model, end_token, root, tmp_path,
+                                                 capsys):
     import yaml
 
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(_config(think_model, root, "cli", end_token,
                                            model={"reasoning_parser": "qwen"})))
-    run = subprocess.run([sys.executable, "-m", "pipelines.cli", "validate", str(path)],
-                         capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert run.returncode == 2
-    assert run.stderr.count("\n") == 1 and run.stderr.startswith(
+    code, _, err = cli("validate", path, capsys=capsys)  # (in this process)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith(
         "overnight: error: model.reasoning_parser 'qwen' is not one of vLLM's")
 
 
