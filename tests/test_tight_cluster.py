@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from pathlib import Path
 
 import polars as pl
 import pytest
