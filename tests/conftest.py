@@ -75,8 +75,24 @@ def smollm2() -> str:
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(_SCRATCH / "ray"))
+    # Ray's log monitor (started with every local Ray, log_to_driver or not) globs the session's
+    # log folder ten times a second while it holds under 1,000 files; a session of the suite's
+    # jobs gathers hundreds, and the monitor took ~50 s of CPU in 30 minutes for logs that no
+    # one here reads (log_to_driver=False). Its own settings, read when it starts: look for new
+    # files once an hour.
+    quiet_monitor = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+                     "LOG_NAME_UPDATE_INTERVAL_S": "3600"}
+    saved = {name: os.environ.get(name) for name in quiet_monitor}
+    os.environ.update(quiet_monitor)
+    try:
+        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+                 _temp_dir=str(_SCRATCH / "ray"))
+    finally:  # (the jobs' own processes, and the CLI runs' Rays, keep Ray's defaults)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     yield
     ray.shutdown()
 
