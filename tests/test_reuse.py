@@ -203,11 +203,11 @@ def test_only_the_new_and_changed_rows_reach_the_engine(greedy_runs, tiny_model,
     _, incremental, _, first = greedy_runs
     assert through_replicas(first) == ROWS
     assert through_replicas(incremental) == expected_counts()["generated"]
-    nulls = incremental.output.rstrip("/")  # (the second table's output, reused below)
+    second = incremental.output.rstrip("/")  # the second table's output, reused below
 
     def run(out: str, **sections) -> int:
         return through_replicas(run_job(load_config(config(
-            tiny_model, root, "v2.parquet", out, output={"reuse_from": nulls}, **sections))))
+            tiny_model, root, "v2.parquet", out, output={"reuse_from": second}, **sections))))
 
     assert run("counted-b16", resources={"batch_size": 16}) == len(NULLS)
     assert pl.read_parquet(root / "counted-b16").equals(pl.read_parquet(root / "greedy-scratch"))
